@@ -1,0 +1,144 @@
+//! One error type for the crate: every way a user input can be wrong, with the numbers.
+
+use std::path::PathBuf;
+
+/// Result alias used across the crate.
+pub type Result<T, E = SlideSparseError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in packing, loading and running SlideSparse layers.
+#[derive(Debug, thiserror::Error)]
+pub enum SlideSparseError {
+    #[error(
+        "invalid sparsity pattern {input:?}: expected nonzeros:block of the form (2N-2):2N with N in 2..=16 \
+         (2:4, 4:6, 6:8, 8:10, 10:12, 12:14, 14:16, ..., 30:32){hint}"
+    )]
+    InvalidPattern { input: String, hint: String },
+
+    #[error("invalid precision {0:?}: expected one of int8, fp8, bf16, f16, f32")]
+    InvalidPrecision(String),
+
+    #[error("invalid K' alignment {0}: must be a power of two >= {1} for this precision")]
+    InvalidAlignment(usize, usize),
+
+    #[error("{what}: shape mismatch, expected {expected} but got {actual}")]
+    ShapeMismatch {
+        what: String,
+        expected: String,
+        actual: String,
+    },
+
+    #[error(
+        "{tensor}: row {row}, block {block} (columns {start}..{end}) holds {nonzeros} nonzeros, \
+         more than the {allowed} that pattern {pattern} allows"
+    )]
+    PatternViolation {
+        tensor: String,
+        pattern: String,
+        row: usize,
+        block: usize,
+        start: usize,
+        end: usize,
+        nonzeros: usize,
+        allowed: usize,
+    },
+
+    #[error(
+        "{tensor}: row {row}, 2:4 window at column {column} holds {nonzeros} nonzeros (at most 2 allowed)"
+    )]
+    WindowViolation {
+        tensor: String,
+        row: usize,
+        column: usize,
+        nonzeros: usize,
+    },
+
+    #[error("{tensor}: verification failed at row {row}, column {column}: {detail}")]
+    VerifyMismatch {
+        tensor: String,
+        row: usize,
+        column: usize,
+        detail: String,
+    },
+
+    #[error("{tensor}: non-finite weight ({value}) at row {row}, column {column}; the packer refuses NaN/Inf weights")]
+    NonFiniteWeight {
+        tensor: String,
+        row: usize,
+        column: usize,
+        value: f32,
+    },
+
+    #[error("{tensor}: activation norms have length {actual}, expected {expected} (one per input channel)")]
+    CalibrationMismatch {
+        tensor: String,
+        expected: usize,
+        actual: usize,
+    },
+
+    #[error("packed file {path}: {detail}")]
+    InvalidPackedFile { path: String, detail: String },
+
+    #[error("tensor {name:?} not found in {path}")]
+    MissingTensor { name: String, path: String },
+
+    #[error("tensor {name:?}: unsupported dtype {dtype} ({context})")]
+    UnsupportedDtype {
+        name: String,
+        dtype: String,
+        context: String,
+    },
+
+    #[error("refusing to write {0}: it is the input file")]
+    OutputIsInput(PathBuf),
+
+    #[error("invalid regular expression {pattern:?}: {source}")]
+    Regex {
+        pattern: String,
+        source: regex::Error,
+    },
+
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+
+    #[error("safetensors error in {path}: {source}")]
+    SafeTensors {
+        path: String,
+        source: safetensors::SafeTensorError,
+    },
+
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl SlideSparseError {
+    /// Wraps an I/O error with the path it happened on.
+    pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.as_ref().display().to_string(),
+            source,
+        }
+    }
+
+    /// A packed-file error with a human-readable detail.
+    pub fn packed(path: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::InvalidPackedFile {
+            path: path.into(),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn shape(
+        what: impl Into<String>,
+        expected: impl std::fmt::Debug,
+        actual: impl std::fmt::Debug,
+    ) -> Self {
+        Self::ShapeMismatch {
+            what: what.into(),
+            expected: format!("{expected:?}"),
+            actual: format!("{actual:?}"),
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! The portable packed format: a safetensors file.
+//!
+//! Per packed layer with source weight `P.weight` (prefix `P`):
+//! - `P.slidesparse.weight`: `W' [out, K']` as `I8`, `U8` (E4M3 bits), `BF16`, `F16` or `F32`;
+//! - `P.slidesparse.weight_scale`: `F32 [out]`;
+//! - `P.bias` (optional, any float dtype): the layer's bias under its usual name.
+//!
+//! File metadata: `slidesparse.format_version` (currently `1`) and `slidesparse.layers`, a
+//! JSON list of [`LayerMeta`]. Every other tensor of a packed checkpoint is copied unchanged.
+//! Loading checks every field and the 2:4 validity of each `W'`, and fails with an error
+//! naming the file and tensor, never with a panic.
+
+use std::{collections::HashMap, path::Path};
+
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    error::{Result, SlideSparseError},
+    pack::{PackedLinear, check_alignment},
+    pattern::SparsityPattern,
+    quant::{Precision, QuantizedWeight, WeightCodes},
+};
+
+/// Version written by this crate; readers reject any other.
+pub const FORMAT_VERSION: u32 = 1;
+/// Metadata key of the format version.
+pub const VERSION_KEY: &str = "slidesparse.format_version";
+/// Metadata key of the layer list.
+pub const LAYERS_KEY: &str = "slidesparse.layers";
+/// Suffix of a packed weight tensor.
+pub const WEIGHT_SUFFIX: &str = ".slidesparse.weight";
+/// Suffix of a packed layer's scales.
+pub const SCALE_SUFFIX: &str = ".slidesparse.weight_scale";
+
+/// Description of one packed layer in the file metadata.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerMeta {
+    /// Prefix of the layer's tensors (the source weight name without `.weight`).
+    pub prefix: String,
+    /// Name of the dense weight this layer was packed from.
+    pub source_tensor: String,
+    pub pattern: SparsityPattern,
+    pub precision: Precision,
+    pub out_features: usize,
+    /// Original K.
+    pub in_features: usize,
+    /// K'.
+    pub k_prime: usize,
+    pub alignment: usize,
+    pub bias: bool,
+}
+
+impl LayerMeta {
+    /// Metadata of a packed layer.
+    pub fn of(layer: &PackedLinear) -> Self {
+        Self {
+            prefix: prefix_of(&layer.name),
+            source_tensor: layer.name.clone(),
+            pattern: layer.pattern,
+            precision: layer.precision(),
+            out_features: layer.out_features(),
+            in_features: layer.in_features,
+            k_prime: layer.k_prime(),
+            alignment: layer.alignment,
+            bias: layer.bias.is_some(),
+        }
+    }
+}
+
+/// The prefix of a weight name: `a.b.weight` -> `a.b`; other names are kept whole.
+pub fn prefix_of(weight_name: &str) -> String {
+    weight_name
+        .strip_suffix(".weight")
+        .unwrap_or(weight_name)
+        .to_string()
+}
+
+/// A tensor owned in memory, to be written to safetensors.
+#[derive(Clone, Debug)]
+pub struct OwnedTensor {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl safetensors::View for &OwnedTensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn dtype_of(precision: Precision) -> Dtype {
+    match precision {
+        Precision::Int8 => Dtype::I8,
+        Precision::Fp8 => Dtype::U8,
+        Precision::Bf16 => Dtype::BF16,
+        Precision::F16 => Dtype::F16,
+        Precision::F32 => Dtype::F32,
+    }
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The tensors and metadata entry that store one packed layer.
+pub fn layer_tensors(layer: &PackedLinear) -> (LayerMeta, Vec<(String, OwnedTensor)>) {
+    let meta = LayerMeta::of(layer);
+    let rows = layer.out_features();
+    let mut tensors = vec![
+        (
+            format!("{}{WEIGHT_SUFFIX}", meta.prefix),
+            OwnedTensor {
+                dtype: dtype_of(layer.precision()),
+                shape: vec![rows, layer.k_prime()],
+                data: layer.weight.codes.to_le_bytes(),
+            },
+        ),
+        (
+            format!("{}{SCALE_SUFFIX}", meta.prefix),
+            OwnedTensor {
+                dtype: Dtype::F32,
+                shape: vec![rows],
+                data: f32_bytes(&layer.weight.scales),
+            },
+        ),
+    ];
+    if let Some(bias) = &layer.bias {
+        tensors.push((
+            format!("{}.bias", meta.prefix),
+            OwnedTensor {
+                dtype: Dtype::F32,
+                shape: vec![rows],
+                data: f32_bytes(bias),
+            },
+        ));
+    }
+    (meta, tensors)
+}
+
+/// The file metadata for a list of layers.
+pub fn file_metadata(layers: &[LayerMeta]) -> HashMap<String, String> {
+    HashMap::from([
+        (VERSION_KEY.to_string(), FORMAT_VERSION.to_string()),
+        (
+            LAYERS_KEY.to_string(),
+            serde_json::to_string(layers).expect("layer metadata serializes"),
+        ),
+    ])
+}
+
+/// Serializes tensors plus metadata to bytes.
+pub fn serialize(
+    tensors: &[(String, OwnedTensor)],
+    metadata: HashMap<String, String>,
+) -> Result<Vec<u8>> {
+    safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata)).map_err(
+        |source| SlideSparseError::SafeTensors {
+            path: "<memory>".into(),
+            source,
+        },
+    )
+}
+
+/// Writes packed layers (and nothing else) to `path`, atomically.
+pub fn save_layers(path: &Path, layers: &[PackedLinear]) -> Result<()> {
+    let mut metas = Vec::new();
+    let mut tensors = Vec::new();
+    for layer in layers {
+        let (meta, t) = layer_tensors(layer);
+        metas.push(meta);
+        tensors.extend(t);
+    }
+    let bytes = serialize(&tensors, file_metadata(&metas))?;
+    write_atomically(path, &bytes)
+}
+
+/// Writes `bytes` to a temporary file next to `path`, syncs it and renames it over `path`, so
+/// that an interrupted write never leaves a half-written file under the final name.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| SlideSparseError::io(dir, e))?;
+    tmp.write_all(bytes)
+        .and_then(|_| tmp.as_file().sync_all())
+        .map_err(|e| SlideSparseError::io(tmp.path(), e))?;
+    tmp.persist(path)
+        .map_err(|e| SlideSparseError::io(path, e.error))?;
+    Ok(())
+}
+
+/// A packed file read into memory and checked.
+#[derive(Debug)]
+pub struct PackedFile {
+    pub layers: Vec<PackedLinear>,
+}
+
+impl PackedFile {
+    /// Reads and fully checks a packed file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| SlideSparseError::io(path, e))?;
+        Self::from_bytes(&path.display().to_string(), &bytes)
+    }
+
+    /// Parses and fully checks a packed file held in memory; `path` is only for messages.
+    pub fn from_bytes(path: &str, bytes: &[u8]) -> Result<Self> {
+        let (_, header) = SafeTensors::read_metadata(bytes).map_err(|source| {
+            SlideSparseError::SafeTensors {
+                path: path.to_string(),
+                source,
+            }
+        })?;
+        let st = SafeTensors::deserialize(bytes).map_err(|source| SlideSparseError::SafeTensors {
+            path: path.to_string(),
+            source,
+        })?;
+        let metas = read_layer_metas(path, header.metadata())?;
+        let layers = metas
+            .iter()
+            .map(|meta| read_layer(path, &st, meta))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { layers })
+    }
+
+    /// The layer packed from `source_tensor` (or with that prefix).
+    pub fn layer(&self, name: &str) -> Option<&PackedLinear> {
+        self.layers
+            .iter()
+            .find(|l| l.name == name || prefix_of(&l.name) == name)
+    }
+}
+
+/// Reads and checks the version and layer list of a packed file's metadata.
+pub fn read_layer_metas(
+    path: &str,
+    metadata: &Option<HashMap<String, String>>,
+) -> Result<Vec<LayerMeta>> {
+    let bad = |detail: String| SlideSparseError::packed(path, detail);
+    let metadata = metadata
+        .as_ref()
+        .ok_or_else(|| bad("no metadata: not a SlideSparse packed file".into()))?;
+    let version = metadata
+        .get(VERSION_KEY)
+        .ok_or_else(|| bad(format!("no {VERSION_KEY}: not a SlideSparse packed file")))?;
+    if version.trim() != FORMAT_VERSION.to_string() {
+        return Err(bad(format!(
+            "format version {version:?} is not supported (this build reads version {FORMAT_VERSION})"
+        )));
+    }
+    let layers = metadata
+        .get(LAYERS_KEY)
+        .ok_or_else(|| bad(format!("no {LAYERS_KEY} entry")))?;
+    let metas: Vec<LayerMeta> =
+        serde_json::from_str(layers).map_err(|e| bad(format!("invalid {LAYERS_KEY}: {e}")))?;
+    let mut seen = std::collections::HashSet::new();
+    for m in &metas {
+        if !seen.insert(m.prefix.as_str()) {
+            return Err(bad(format!("layer {:?} is listed twice", m.prefix)));
+        }
+    }
+    Ok(metas)
+}
+
+fn tensor<'a>(path: &str, st: &SafeTensors<'a>, name: &str) -> Result<TensorView<'a>> {
+    st.tensor(name).map_err(|_| SlideSparseError::MissingTensor {
+        name: name.to_string(),
+        path: path.to_string(),
+    })
+}
+
+fn check_tensor_shape(name: &str, view: &TensorView<'_>, expected: &[usize]) -> Result<()> {
+    if view.shape() != expected {
+        return Err(SlideSparseError::shape(name, expected, view.shape()));
+    }
+    Ok(())
+}
+
+/// Reads one float tensor of any float dtype (F32, F16, BF16) as f32.
+pub fn read_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>> {
+    let data = view.data();
+    Ok(match view.dtype() {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(SlideSparseError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+                context: "expected F32, F16 or BF16".into(),
+            });
+        }
+    })
+}
+
+fn read_codes(name: &str, view: &TensorView<'_>, precision: Precision) -> Result<WeightCodes> {
+    let data = view.data();
+    let ok = matches!(
+        (precision, view.dtype()),
+        (Precision::Int8, Dtype::I8)
+            | (Precision::Fp8, Dtype::U8 | Dtype::F8_E4M3)
+            | (Precision::Bf16, Dtype::BF16)
+            | (Precision::F16, Dtype::F16)
+            | (Precision::F32, Dtype::F32)
+    );
+    if !ok {
+        return Err(SlideSparseError::UnsupportedDtype {
+            name: name.to_string(),
+            dtype: format!("{:?}", view.dtype()),
+            context: format!("layer metadata says precision {precision}"),
+        });
+    }
+    Ok(match precision {
+        Precision::Int8 => WeightCodes::I8(data.iter().map(|&b| b as i8).collect()),
+        Precision::Fp8 => WeightCodes::Fp8(data.to_vec()),
+        Precision::Bf16 => WeightCodes::Bf16(
+            data.chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+        Precision::F16 => WeightCodes::F16(
+            data.chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+        Precision::F32 => WeightCodes::F32(read_f32(name, view)?),
+    })
+}
+
+fn read_layer(path: &str, st: &SafeTensors<'_>, meta: &LayerMeta) -> Result<PackedLinear> {
+    let bad = |detail: String| SlideSparseError::packed(path, format!("layer {:?}: {detail}", meta.prefix));
+    check_alignment(meta.alignment, meta.precision).map_err(|e| bad(e.to_string()))?;
+    let geometry = meta.pattern.geometry(meta.in_features, meta.alignment);
+    if meta.k_prime != geometry.k_prime() {
+        return Err(bad(format!(
+            "K' = {} but pattern {} with K = {} and alignment {} gives {}",
+            meta.k_prime,
+            meta.pattern,
+            meta.in_features,
+            meta.alignment,
+            geometry.k_prime()
+        )));
+    }
+    let weight_name = format!("{}{WEIGHT_SUFFIX}", meta.prefix);
+    let weight = tensor(path, st, &weight_name)?;
+    check_tensor_shape(&weight_name, &weight, &[meta.out_features, meta.k_prime])?;
+    let codes = read_codes(&weight_name, &weight, meta.precision)?;
+
+    let scale_name = format!("{}{SCALE_SUFFIX}", meta.prefix);
+    let scales_view = tensor(path, st, &scale_name)?;
+    check_tensor_shape(&scale_name, &scales_view, &[meta.out_features])?;
+    if scales_view.dtype() != Dtype::F32 {
+        return Err(SlideSparseError::UnsupportedDtype {
+            name: scale_name,
+            dtype: format!("{:?}", scales_view.dtype()),
+            context: "scales are F32".into(),
+        });
+    }
+    let scales = read_f32(&scale_name, &scales_view)?;
+
+    let bias = if meta.bias {
+        let bias_name = format!("{}.bias", meta.prefix);
+        let view = tensor(path, st, &bias_name)?;
+        check_tensor_shape(&bias_name, &view, &[meta.out_features])?;
+        Some(read_f32(&bias_name, &view)?)
+    } else {
+        None
+    };
+    let layer = PackedLinear {
+        name: meta.source_tensor.clone(),
+        pattern: meta.pattern,
+        in_features: meta.in_features,
+        alignment: meta.alignment,
+        weight: QuantizedWeight {
+            rows: meta.out_features,
+            cols: meta.k_prime,
+            codes,
+            scales,
+        },
+        bias,
+    };
+    layer.validate().map_err(|e| bad(e.to_string()))?;
+    Ok(layer)
+}

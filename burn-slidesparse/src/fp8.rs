@@ -1,0 +1,142 @@
+//! FP8 E4M3 ("fn" variant, as on NVIDIA GPUs): 1 sign, 4 exponent (bias 7), 3 mantissa bits,
+//! no infinities, NaN = `S.1111.111`, largest finite 448.
+//!
+//! Encoding rounds to nearest, ties to even, and saturates finite overflow (and ±Inf) to ±448,
+//! like CUDA's `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`. NaN encodes to `0x7F`
+//! (with its sign bit).
+
+/// Largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+/// Canonical positive NaN code.
+pub const E4M3_NAN: u8 = 0x7F;
+const MIN_NORMAL_EXP: i32 = -6;
+const MANTISSA_BITS: i32 = 3;
+const EXP_BIAS: i32 = 7;
+
+/// Decodes one E4M3 code to f32 (exact: every E4M3 value is an f32).
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((code >> 3) & 0x0F) as i32;
+    let mant = (code & 0x07) as f32;
+    if exp == 0x0F && code & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    let magnitude = if exp == 0 {
+        mant * 2f32.powi(MIN_NORMAL_EXP - MANTISSA_BITS)
+    } else {
+        (1.0 + mant / 8.0) * 2f32.powi(exp - EXP_BIAS)
+    };
+    sign * magnitude
+}
+
+/// Encodes an f32 to E4M3: round to nearest even, saturating to ±448.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0x00 };
+    if x.is_nan() {
+        return sign | E4M3_NAN;
+    }
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7E;
+    }
+    // Exponent of `a` (floor(log2 a)), read from the bits: exact, unlike log2().
+    let exp = if a == 0.0 {
+        MIN_NORMAL_EXP
+    } else {
+        ((a.to_bits() >> 23) as i32 - 127).max(MIN_NORMAL_EXP)
+    };
+    // Quantum of the E4M3 binade holding `a` (the subnormal quantum below 2^-6). Scaling by a
+    // power of two is exact, so one f32 rounding gives the correctly rounded significand.
+    let quantum = 2f32.powi(exp - MANTISSA_BITS);
+    let q = (a / quantum).round_ties_even() as u32; // 0..=16
+    let (exp, q) = if q == 16 { (exp + 1, 8) } else { (exp, q) };
+    let code = if q < 8 {
+        q // subnormal (exp == -6 and no hidden bit)
+    } else {
+        (((exp + EXP_BIAS) as u32) << 3) | (q - 8)
+    };
+    // Rounding up can only reach 448 here (a < 448), never the NaN code.
+    sign | code as u8
+}
+
+/// Rounds an f32 to the nearest E4M3 value (encode then decode).
+pub fn round_to_e4m3(x: f32) -> f32 {
+    e4m3_to_f32(f32_to_e4m3(x))
+}
+
+/// Decode table of all 256 codes, for gathers in the reference path.
+pub fn e4m3_decode_table() -> [f32; 256] {
+    std::array::from_fn(|c| e4m3_to_f32(c as u8))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Independent value table: the 127 positive finite E4M3 values in increasing order,
+    /// built from the format definition (subnormals m/8 * 2^-6, normals (1+m/8) * 2^(e-7)).
+    fn positive_values() -> Vec<f32> {
+        let mut v: Vec<f32> = (0..8).map(|m| m as f32 / 8.0 / 64.0).collect();
+        for e in 1..=15 {
+            for m in 0..8 {
+                if e == 15 && m == 7 {
+                    continue;
+                }
+                v.push((1.0 + m as f32 / 8.0) * (2.0f32).powi(e - 7));
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn known_codes() {
+        assert_eq!(e4m3_to_f32(0x00), 0.0);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        assert_eq!(e4m3_to_f32(0x7E), 448.0);
+        assert_eq!(e4m3_to_f32(0xFE), -448.0);
+        assert!(e4m3_to_f32(0x7F).is_nan() && e4m3_to_f32(0xFF).is_nan());
+    }
+
+    #[test]
+    fn decode_matches_the_value_table_and_encode_inverts_it() {
+        let table = positive_values();
+        for (code, &v) in table.iter().enumerate() {
+            assert_eq!(e4m3_to_f32(code as u8), v, "code {code:#x}");
+            assert_eq!(e4m3_to_f32(code as u8 | 0x80), -v);
+            assert_eq!(f32_to_e4m3(v), code as u8);
+            if v != 0.0 {
+                assert_eq!(f32_to_e4m3(-v), code as u8 | 0x80);
+            }
+        }
+    }
+
+    #[test]
+    fn rounds_to_nearest_ties_to_even_between_every_pair() {
+        let table = positive_values();
+        for code in 0..table.len() - 1 {
+            let (lo, hi) = (table[code], table[code + 1]);
+            let mid = (lo + hi) / 2.0; // exact in f32
+            let even = if code % 2 == 0 { code } else { code + 1 };
+            assert_eq!(f32_to_e4m3(mid) as usize, even, "tie between {lo} and {hi}");
+            let below = f32::from_bits(mid.to_bits() - 1);
+            let above = f32::from_bits(mid.to_bits() + 1);
+            assert_eq!(f32_to_e4m3(below) as usize, code);
+            assert_eq!(f32_to_e4m3(above) as usize, code + 1);
+        }
+    }
+
+    #[test]
+    fn saturates_and_keeps_nan() {
+        for x in [448.0f32, 449.0, 464.0, 500.0, 1e30, f32::INFINITY] {
+            assert_eq!(f32_to_e4m3(x), 0x7E, "{x}");
+            assert_eq!(f32_to_e4m3(-x), 0xFE);
+        }
+        assert_eq!(f32_to_e4m3(f32::NAN), E4M3_NAN);
+        assert_eq!(f32_to_e4m3(-0.0), 0x80);
+        // Below half the smallest subnormal rounds to zero; exactly half ties to even (zero).
+        assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00);
+        assert_eq!(f32_to_e4m3(2f32.powi(-10) * 1.01), 0x01);
+    }
+}

@@ -1,0 +1,16 @@
+#![doc = include_str!("../README.md")]
+
+pub mod error;
+pub mod format;
+pub mod fp8;
+pub mod pack;
+pub mod pattern;
+pub mod prune;
+pub mod quant;
+pub mod slide;
+
+pub use error::{Result, SlideSparseError};
+pub use pack::{PackOptions, PackedLinear, pack_linear};
+pub use pattern::SparsityPattern;
+pub use prune::PruneMethod;
+pub use quant::Precision;

@@ -1,0 +1,311 @@
+//! The offline packer: prune -> quantize -> slide -> verify, for one linear layer.
+
+use cubecl_kernels::geometry::SlideGeometry;
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    error::{Result, SlideSparseError},
+    pattern::SparsityPattern,
+    prune::{self, PruneMethod},
+    quant::{Precision, QuantizedWeight, map_codes, quantize_weight, with_codes},
+    slide::{self, SlideElement, SlideFailure, UnslideError},
+};
+
+/// Default `K'` alignment: safe for every precision on cuSPARSELt.
+pub const DEFAULT_ALIGNMENT: usize = 64;
+
+/// How to pack a layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PackOptions {
+    pub pattern: SparsityPattern,
+    pub precision: Precision,
+    pub prune: PruneMethod,
+    /// `K'` is rounded up to a multiple of this (power of two, >= 32 for 8-bit, >= 16 else).
+    pub alignment: usize,
+}
+
+impl PackOptions {
+    /// Magnitude pruning at the default alignment.
+    pub fn new(pattern: SparsityPattern, precision: Precision) -> Self {
+        Self {
+            pattern,
+            precision,
+            prune: PruneMethod::Magnitude,
+            alignment: DEFAULT_ALIGNMENT,
+        }
+    }
+
+    /// Checks the alignment against the precision.
+    pub fn validate(&self) -> Result<()> {
+        check_alignment(self.alignment, self.precision)
+    }
+}
+
+pub(crate) fn check_alignment(alignment: usize, precision: Precision) -> Result<()> {
+    let min = precision.min_alignment();
+    if alignment.is_power_of_two() && alignment >= min {
+        Ok(())
+    } else {
+        Err(SlideSparseError::InvalidAlignment(alignment, min))
+    }
+}
+
+/// A packed linear layer: slid, quantized `W' [out, K']`, per-channel scales and bias.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedLinear {
+    /// Name of the source weight tensor (e.g. `model.layers.0.mlp.down_proj.weight`).
+    pub name: String,
+    pub pattern: SparsityPattern,
+    /// Input width `K` of the original layer.
+    pub in_features: usize,
+    pub alignment: usize,
+    /// `[out_features, K']` codes plus per-row scales.
+    pub weight: QuantizedWeight,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl PackedLinear {
+    /// Output width.
+    pub fn out_features(&self) -> usize {
+        self.weight.rows
+    }
+
+    /// Element type of `W'`.
+    pub fn precision(&self) -> Precision {
+        self.weight.codes.precision()
+    }
+
+    /// Geometry (`K'`, lift map).
+    pub fn geometry(&self) -> SlideGeometry {
+        self.pattern.geometry(self.in_features, self.alignment)
+    }
+
+    /// `K'`.
+    pub fn k_prime(&self) -> usize {
+        self.weight.cols
+    }
+
+    /// Bytes of `W'` plus scales and bias as stored.
+    pub fn stored_bytes(&self) -> usize {
+        self.weight.codes.len() * self.precision().element_bytes()
+            + 4 * self.weight.scales.len()
+            + self.bias.as_ref().map_or(0, |b| 4 * b.len())
+    }
+
+    /// Un-slides `W'` back to the pruned, quantized `[out, K]` weight. Fails if `W'` is not a
+    /// valid slide (a nonzero in padding, or two nonzeros mapping to one column).
+    pub fn unslide(&self) -> Result<QuantizedWeight> {
+        let geometry = self.geometry();
+        let codes = map_codes!(&self.weight.codes, v => unslide_matrix(&self.name, v, self.weight.rows, &geometry)?);
+        Ok(QuantizedWeight {
+            rows: self.weight.rows,
+            cols: self.in_features,
+            codes,
+            scales: self.weight.scales.clone(),
+        })
+    }
+
+    /// Structural checks: shapes, `K'` for the geometry, finite positive scales, every aligned
+    /// 4-wide window of `W'` with at most 2 nonzeros, and an exact un-slide.
+    pub fn validate(&self) -> Result<()> {
+        let geometry = self.geometry();
+        let (rows, cols) = (self.weight.rows, self.weight.cols);
+        if cols != geometry.k_prime() {
+            return Err(SlideSparseError::shape(
+                format!("{}: K' for K = {} at {}", self.name, self.in_features, self.pattern),
+                geometry.k_prime(),
+                cols,
+            ));
+        }
+        if self.weight.codes.len() != rows * cols {
+            return Err(SlideSparseError::shape(
+                format!("{}: W'", self.name),
+                [rows, cols],
+                format!("{} elements", self.weight.codes.len()),
+            ));
+        }
+        if self.weight.scales.len() != rows {
+            return Err(SlideSparseError::shape(
+                format!("{}: weight scales", self.name),
+                [rows],
+                [self.weight.scales.len()],
+            ));
+        }
+        if let Some(i) = self.weight.scales.iter().position(|s| !s.is_finite() || *s <= 0.0) {
+            return Err(SlideSparseError::VerifyMismatch {
+                tensor: self.name.clone(),
+                row: i,
+                column: 0,
+                detail: format!("scale {} is not finite and positive", self.weight.scales[i]),
+            });
+        }
+        if let Some(b) = &self.bias {
+            if b.len() != rows {
+                return Err(SlideSparseError::shape(format!("{}: bias", self.name), [rows], [b.len()]));
+            }
+        }
+        let violation = with_codes!(&self.weight.codes, v => slide::first_2_4_violation(v, rows, cols));
+        if let Some((row, column, nonzeros)) = violation {
+            return Err(SlideSparseError::WindowViolation {
+                tensor: self.name.clone(),
+                row,
+                column,
+                nonzeros,
+            });
+        }
+        self.unslide().map(|_| ())
+    }
+
+    /// [`validate`](Self::validate), then checks that un-sliding gives back `expected` (the
+    /// pruned, quantized original) exactly, bit for bit up to the sign of zero.
+    pub fn verify_against(&self, expected: &QuantizedWeight) -> Result<()> {
+        self.validate()?;
+        let back = self.unslide()?;
+        if (back.rows, back.cols) != (expected.rows, expected.cols) {
+            return Err(SlideSparseError::shape(
+                format!("{}: original", self.name),
+                [back.rows, back.cols],
+                [expected.rows, expected.cols],
+            ));
+        }
+        if let Some(row) = (0..back.rows).find(|&r| back.scales[r].to_bits() != expected.scales[r].to_bits()) {
+            return Err(SlideSparseError::VerifyMismatch {
+                tensor: self.name.clone(),
+                row,
+                column: 0,
+                detail: format!("scale {} != expected {}", back.scales[row], expected.scales[row]),
+            });
+        }
+        let (a, b) = (back.codes.to_f32(), expected.codes.to_f32());
+        if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i] && !(a[i].is_nan() && b[i].is_nan())) {
+            return Err(SlideSparseError::VerifyMismatch {
+                tensor: self.name.clone(),
+                row: i / back.cols.max(1),
+                column: i % back.cols.max(1),
+                detail: format!("un-slid value {} != expected {}", a[i], b[i]),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn unslide_matrix<T: SlideElement>(
+    name: &str,
+    slid: &[T],
+    rows: usize,
+    geometry: &SlideGeometry,
+) -> Result<Vec<T>> {
+    let (k, kp) = (geometry.k, geometry.k_prime());
+    let mut out = vec![T::ZERO; rows * k];
+    for r in 0..rows {
+        slide::unslide_row(&slid[r * kp..(r + 1) * kp], geometry, &mut out[r * k..(r + 1) * k])
+            .map_err(|e| {
+                let (column, what) = match e {
+                    UnslideError::NonzeroInPadding { column } => (column, "a nonzero in a padding column"),
+                    UnslideError::Collision { column } => {
+                        (column, "a second nonzero for the same source column")
+                    }
+                };
+                SlideSparseError::VerifyMismatch {
+                    tensor: name.to_string(),
+                    row: r,
+                    column,
+                    detail: format!("W' is not a valid slide: {what}"),
+                }
+            })?;
+    }
+    Ok(out)
+}
+
+/// What packing one layer kept and cost.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PackStats {
+    pub name: String,
+    pub shape: [usize; 2],
+    pub k_prime: usize,
+    pub nonzeros_before: usize,
+    pub nonzeros_kept: usize,
+    /// `||W - prune(W)|| / ||W||` (before quantization).
+    pub pruning_error: f64,
+    /// `||W - dequant(quant(prune(W)))|| / ||W||`.
+    pub total_error: f64,
+    pub dense_bytes_f32: usize,
+    pub packed_bytes: usize,
+}
+
+/// Packs one dense `[out, in]` weight (row-major, PyTorch layout): prune -> quantize -> slide
+/// -> verify. Returns the packed layer, the pruned-and-quantized dense weight (the reference
+/// for later checks) and statistics.
+pub fn pack_linear(
+    name: &str,
+    weight: &[f32],
+    out_features: usize,
+    in_features: usize,
+    bias: Option<&[f32]>,
+    options: &PackOptions,
+) -> Result<(PackedLinear, QuantizedWeight, PackStats)> {
+    options.validate()?;
+    if let Some(b) = bias {
+        if b.len() != out_features {
+            return Err(SlideSparseError::shape(format!("{name}: bias"), [out_features], [b.len()]));
+        }
+    }
+    let pruned = prune::prune(name, weight, out_features, in_features, options.pattern, &options.prune)?;
+    let quantized = quantize_weight(&pruned, out_features, in_features, options.precision);
+    let geometry = options.pattern.geometry(in_features, options.alignment);
+    let slid = map_codes!(&quantized.codes, v => slide::slide_matrix(v, out_features, &geometry)
+        .map_err(|f| slide_failure(name, options.pattern, in_features, f))?);
+    let packed = PackedLinear {
+        name: name.to_string(),
+        pattern: options.pattern,
+        in_features,
+        alignment: options.alignment,
+        weight: QuantizedWeight {
+            rows: out_features,
+            cols: geometry.k_prime(),
+            codes: slid,
+            scales: quantized.scales.clone(),
+        },
+        bias: bias.map(<[f32]>::to_vec),
+    };
+    packed.verify_against(&quantized)?;
+    let stats = PackStats {
+        name: name.to_string(),
+        shape: [out_features, in_features],
+        k_prime: geometry.k_prime(),
+        nonzeros_before: weight.iter().filter(|v| **v != 0.0).count(),
+        nonzeros_kept: quantized.codes.to_f32().iter().filter(|v| **v != 0.0).count(),
+        pruning_error: prune::relative_error(weight, &pruned),
+        total_error: prune::relative_error(weight, &quantized.dequantize()),
+        dense_bytes_f32: 4 * weight.len(),
+        packed_bytes: packed.stored_bytes(),
+    };
+    Ok((packed, quantized, stats))
+}
+
+/// Prunes and quantizes exactly as [`pack_linear`] does, without sliding: the reference a
+/// packed layer must un-slide to.
+pub fn prune_and_quantize(
+    name: &str,
+    weight: &[f32],
+    out_features: usize,
+    in_features: usize,
+    options: &PackOptions,
+) -> Result<QuantizedWeight> {
+    let pruned = prune::prune(name, weight, out_features, in_features, options.pattern, &options.prune)?;
+    Ok(quantize_weight(&pruned, out_features, in_features, options.precision))
+}
+
+fn slide_failure(name: &str, pattern: SparsityPattern, k: usize, f: SlideFailure) -> SlideSparseError {
+    let start = f.block * pattern.block_len();
+    SlideSparseError::PatternViolation {
+        tensor: name.to_string(),
+        pattern: pattern.to_string(),
+        row: f.row,
+        block: f.block,
+        start,
+        end: (start + pattern.block_len()).min(k),
+        nonzeros: f.nonzeros,
+        allowed: pattern.nonzeros(),
+    }
+}

@@ -1,0 +1,255 @@
+//! Pruning dense `[out, in]` weights to a `(2N-2):2N` pattern, and checking that a weight
+//! already satisfies one.
+
+use std::{fmt, str::FromStr};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    error::{Result, SlideSparseError},
+    pattern::SparsityPattern,
+};
+
+/// How to choose the weights that survive in each block.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+pub enum PruneMethod {
+    /// Keep the `2N-2` largest `|w|` of every block; ties keep the lower index.
+    #[default]
+    Magnitude,
+    /// Wanda-style: keep the `2N-2` best `|W[n,k]| * ||X[:,k]||_2` of every block, given the
+    /// per-input-channel activation norms of calibration tokens.
+    ActivationAware { input_norms: Vec<f32> },
+    /// Do not prune: the weight must already satisfy the pattern (checked).
+    None,
+}
+
+impl fmt::Display for PruneMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PruneMethod::Magnitude => "magnitude",
+            PruneMethod::ActivationAware { .. } => "activation-aware",
+            PruneMethod::None => "none",
+        })
+    }
+}
+
+impl FromStr for PruneMethod {
+    type Err = SlideSparseError;
+    /// Parses `magnitude` or `none`; activation-aware pruning needs norms and is built in code.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "magnitude" => Ok(PruneMethod::Magnitude),
+            "none" => Ok(PruneMethod::None),
+            _ => Err(SlideSparseError::Backend(format!(
+                "invalid prune method {s:?}: expected magnitude or none (activation-aware pruning \
+                 needs calibration norms and is selected through the API)"
+            ))),
+        }
+    }
+}
+
+/// Returns an error naming the first non-finite weight, if any.
+pub fn check_finite(tensor: &str, values: &[f32], cols: usize) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(SlideSparseError::NonFiniteWeight {
+            tensor: tensor.to_string(),
+            row: i / cols.max(1),
+            column: i % cols.max(1),
+            value: values[i],
+        }),
+    }
+}
+
+/// Prunes a row-major `[rows, cols]` weight with `method`; returns the pruned copy.
+/// `PruneMethod::None` only checks the pattern.
+pub fn prune(
+    tensor: &str,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    pattern: SparsityPattern,
+    method: &PruneMethod,
+) -> Result<Vec<f32>> {
+    check_shape(tensor, values, rows, cols)?;
+    check_finite(tensor, values, cols)?;
+    match method {
+        PruneMethod::None => {
+            check_pattern(tensor, values, rows, cols, pattern)?;
+            Ok(values.to_vec())
+        }
+        PruneMethod::Magnitude => Ok(prune_by_score(values, cols, pattern, |_, w| w.abs())),
+        PruneMethod::ActivationAware { input_norms } => {
+            if input_norms.len() != cols {
+                return Err(SlideSparseError::CalibrationMismatch {
+                    tensor: tensor.to_string(),
+                    expected: cols,
+                    actual: input_norms.len(),
+                });
+            }
+            if let Some(k) = input_norms.iter().position(|v| !v.is_finite() || *v < 0.0) {
+                return Err(SlideSparseError::Backend(format!(
+                    "{tensor}: activation norm of input channel {k} is {} (must be finite and >= 0)",
+                    input_norms[k]
+                )));
+            }
+            Ok(prune_by_score(values, cols, pattern, |k, w| {
+                w.abs() * input_norms[k]
+            }))
+        }
+    }
+}
+
+fn check_shape(tensor: &str, values: &[f32], rows: usize, cols: usize) -> Result<()> {
+    if Some(values.len()) != rows.checked_mul(cols) {
+        return Err(SlideSparseError::shape(
+            tensor,
+            [rows, cols],
+            format!("{} elements", values.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Keeps, in every block of every row, the `2N-2` columns with the best score (ties: lower
+/// column). A final partial block (K not a multiple of 2N) counts its padding as zeros, so
+/// it keeps `min(real columns, 2N-2)`.
+fn prune_by_score(
+    values: &[f32],
+    cols: usize,
+    pattern: SparsityPattern,
+    score: impl Fn(usize, f32) -> f32 + Sync,
+) -> Vec<f32> {
+    let block = pattern.block_len();
+    let keep = pattern.nonzeros();
+    let mut out = values.to_vec();
+    if cols == 0 {
+        return out;
+    }
+    out.par_chunks_mut(cols).for_each(|row| {
+        let mut order: Vec<usize> = Vec::with_capacity(block);
+        for start in (0..cols).step_by(block) {
+            let end = (start + block).min(cols);
+            if end - start <= keep {
+                continue;
+            }
+            order.clear();
+            order.extend(start..end);
+            // Stable sort by descending score keeps the lower index first among ties.
+            order.sort_by(|&a, &b| score(b, row[b]).total_cmp(&score(a, row[a])));
+            for &k in &order[keep..] {
+                row[k] = 0.0;
+            }
+        }
+        // -0.0 is zero; store +0.0 so that later stages never see a signed zero.
+        row.iter_mut().filter(|v| **v == 0.0).for_each(|v| *v = 0.0);
+    });
+    out
+}
+
+/// Checks that every block of every row has at most `2N-2` nonzeros; the error names the
+/// first offending (row, block).
+pub fn check_pattern(
+    tensor: &str,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    pattern: SparsityPattern,
+) -> Result<()> {
+    check_shape(tensor, values, rows, cols)?;
+    let block = pattern.block_len();
+    let allowed = pattern.nonzeros();
+    let first = (0..rows)
+        .into_par_iter()
+        .filter_map(|r| {
+            let row = &values[r * cols..(r + 1) * cols];
+            row.chunks(block).enumerate().find_map(|(b, chunk)| {
+                let nnz = chunk.iter().filter(|v| **v != 0.0).count();
+                (nnz > allowed).then_some((r, b, nnz))
+            })
+        })
+        .min();
+    match first {
+        None => Ok(()),
+        Some((row, b, nonzeros)) => Err(SlideSparseError::PatternViolation {
+            tensor: tensor.to_string(),
+            pattern: pattern.to_string(),
+            row,
+            block: b,
+            start: b * block,
+            end: ((b + 1) * block).min(cols),
+            nonzeros,
+            allowed,
+        }),
+    }
+}
+
+/// Relative Frobenius error `||W - P|| / ||W||` (0 for an all-zero W).
+pub fn relative_error(original: &[f32], pruned: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&a, &b) in original.iter().zip(pruned) {
+        num += ((a - b) as f64).powi(2);
+        den += (a as f64).powi(2);
+    }
+    if den == 0.0 { 0.0 } else { (num / den).sqrt() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn magnitude_keeps_the_largest_and_breaks_ties_low() {
+        let w = [1.0, -5.0, 3.0, 3.0, 0.5, 2.0, -3.0, 4.0];
+        let p = prune("w", &w, 1, 8, SparsityPattern::P6_8, &PruneMethod::Magnitude).unwrap();
+        // Smallest |w|: 0.5 and 1.0 go.
+        assert_eq!(p, [0.0, -5.0, 3.0, 3.0, 0.0, 2.0, -3.0, 4.0]);
+        // Ties: three 3s and 2:4 keeps two; the lower indices win.
+        let w = [3.0, 3.0, 3.0, 1.0];
+        let p = prune("w", &w, 1, 4, SparsityPattern::P2_4, &PruneMethod::Magnitude).unwrap();
+        assert_eq!(p, [3.0, 3.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn activation_aware_uses_the_norms() {
+        let w = [1.0, 1.0, 1.0, 1.0];
+        let norms = vec![0.1, 5.0, 0.2, 3.0];
+        let method = PruneMethod::ActivationAware { input_norms: norms };
+        let p = prune("w", &w, 1, 4, SparsityPattern::P2_4, &method).unwrap();
+        assert_eq!(p, [0.0, 1.0, 0.0, 1.0]);
+        let bad = PruneMethod::ActivationAware {
+            input_norms: vec![1.0; 3],
+        };
+        assert!(prune("w", &w, 1, 4, SparsityPattern::P2_4, &bad).is_err());
+    }
+
+    #[test]
+    fn partial_last_block_counts_padding_as_zero() {
+        // K = 11 with 6:8: the last block has 3 real columns, which all fit.
+        let w: Vec<f32> = (1..=11).map(|v| v as f32).collect();
+        let p = prune("w", &w, 1, 11, SparsityPattern::P6_8, &PruneMethod::Magnitude).unwrap();
+        assert_eq!(&p[8..], &[9.0, 10.0, 11.0]);
+        assert_eq!(p[..8].iter().filter(|v| **v != 0.0).count(), 6);
+    }
+
+    #[test]
+    fn check_reports_the_first_offending_block() {
+        let mut w = vec![0.0; 2 * 16];
+        w[16 + 8..16 + 15].iter_mut().for_each(|v| *v = 1.0); // row 1, block 1: 7 nonzeros
+        let err = check_pattern("layer.w", &w, 2, 16, SparsityPattern::P6_8).unwrap_err();
+        match err {
+            SlideSparseError::PatternViolation {
+                row, block, nonzeros, ..
+            } => assert_eq!((row, block, nonzeros), (1, 1, 7)),
+            e => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn non_finite_weights_are_refused() {
+        let w = [1.0, f32::NAN, 0.0, 0.0];
+        let err = prune("w", &w, 1, 4, SparsityPattern::P2_4, &PruneMethod::Magnitude);
+        assert!(matches!(err, Err(SlideSparseError::NonFiniteWeight { column: 1, .. })));
+    }
+}
