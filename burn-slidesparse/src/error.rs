@@ -60,7 +60,9 @@ pub enum SlideSparseError {
         detail: String,
     },
 
-    #[error("{tensor}: non-finite weight ({value}) at row {row}, column {column}; the packer refuses NaN/Inf weights")]
+    #[error(
+        "{tensor}: non-finite weight ({value}) at row {row}, column {column}; the packer refuses NaN/Inf weights"
+    )]
     NonFiniteWeight {
         tensor: String,
         row: usize,
@@ -68,7 +70,9 @@ pub enum SlideSparseError {
         value: f32,
     },
 
-    #[error("{tensor}: activation norms have length {actual}, expected {expected} (one per input channel)")]
+    #[error(
+        "{tensor}: activation norms have length {actual}, expected {expected} (one per input channel)"
+    )]
     CalibrationMismatch {
         tensor: String,
         expected: usize,

@@ -218,16 +218,16 @@ impl PackedFile {
 
     /// Parses and fully checks a packed file held in memory; `path` is only for messages.
     pub fn from_bytes(path: &str, bytes: &[u8]) -> Result<Self> {
-        let (_, header) = SafeTensors::read_metadata(bytes).map_err(|source| {
-            SlideSparseError::SafeTensors {
+        let (_, header) =
+            SafeTensors::read_metadata(bytes).map_err(|source| SlideSparseError::SafeTensors {
                 path: path.to_string(),
                 source,
-            }
-        })?;
-        let st = SafeTensors::deserialize(bytes).map_err(|source| SlideSparseError::SafeTensors {
-            path: path.to_string(),
-            source,
-        })?;
+            })?;
+        let st =
+            SafeTensors::deserialize(bytes).map_err(|source| SlideSparseError::SafeTensors {
+                path: path.to_string(),
+                source,
+            })?;
         let metas = read_layer_metas(path, header.metadata())?;
         let layers = metas
             .iter()
@@ -276,10 +276,11 @@ pub fn read_layer_metas(
 }
 
 fn tensor<'a>(path: &str, st: &SafeTensors<'a>, name: &str) -> Result<TensorView<'a>> {
-    st.tensor(name).map_err(|_| SlideSparseError::MissingTensor {
-        name: name.to_string(),
-        path: path.to_string(),
-    })
+    st.tensor(name)
+        .map_err(|_| SlideSparseError::MissingTensor {
+            name: name.to_string(),
+            path: path.to_string(),
+        })
 }
 
 fn check_tensor_shape(name: &str, view: &TensorView<'_>, expected: &[usize]) -> Result<()> {
@@ -350,7 +351,9 @@ fn read_codes(name: &str, view: &TensorView<'_>, precision: Precision) -> Result
 }
 
 fn read_layer(path: &str, st: &SafeTensors<'_>, meta: &LayerMeta) -> Result<PackedLinear> {
-    let bad = |detail: String| SlideSparseError::packed(path, format!("layer {:?}: {detail}", meta.prefix));
+    let bad = |detail: String| {
+        SlideSparseError::packed(path, format!("layer {:?}: {detail}", meta.prefix))
+    };
     check_alignment(meta.alignment, meta.precision).map_err(|e| bad(e.to_string()))?;
     let geometry = meta.pattern.geometry(meta.in_features, meta.alignment);
     if meta.k_prime != geometry.k_prime() {

@@ -14,3 +14,9 @@ pub use pack::{PackOptions, PackedLinear, pack_linear};
 pub use pattern::SparsityPattern;
 pub use prune::PruneMethod;
 pub use quant::Precision;
+pub mod backend;
+pub mod module;
+pub mod reference;
+
+pub use backend::{LayerSpec, SlideSparseBackend};
+pub use module::{SlideSparseLinear, SlideSparseLinearConfig};

@@ -112,7 +112,10 @@ impl PackedLinear {
         let (rows, cols) = (self.weight.rows, self.weight.cols);
         if cols != geometry.k_prime() {
             return Err(SlideSparseError::shape(
-                format!("{}: K' for K = {} at {}", self.name, self.in_features, self.pattern),
+                format!(
+                    "{}: K' for K = {} at {}",
+                    self.name, self.in_features, self.pattern
+                ),
                 geometry.k_prime(),
                 cols,
             ));
@@ -131,7 +134,12 @@ impl PackedLinear {
                 [self.weight.scales.len()],
             ));
         }
-        if let Some(i) = self.weight.scales.iter().position(|s| !s.is_finite() || *s <= 0.0) {
+        if let Some(i) = self
+            .weight
+            .scales
+            .iter()
+            .position(|s| !s.is_finite() || *s <= 0.0)
+        {
             return Err(SlideSparseError::VerifyMismatch {
                 tensor: self.name.clone(),
                 row: i,
@@ -141,10 +149,15 @@ impl PackedLinear {
         }
         if let Some(b) = &self.bias {
             if b.len() != rows {
-                return Err(SlideSparseError::shape(format!("{}: bias", self.name), [rows], [b.len()]));
+                return Err(SlideSparseError::shape(
+                    format!("{}: bias", self.name),
+                    [rows],
+                    [b.len()],
+                ));
             }
         }
-        let violation = with_codes!(&self.weight.codes, v => slide::first_2_4_violation(v, rows, cols));
+        let violation =
+            with_codes!(&self.weight.codes, v => slide::first_2_4_violation(v, rows, cols));
         if let Some((row, column, nonzeros)) = violation {
             return Err(SlideSparseError::WindowViolation {
                 tensor: self.name.clone(),
@@ -168,12 +181,17 @@ impl PackedLinear {
                 [expected.rows, expected.cols],
             ));
         }
-        if let Some(row) = (0..back.rows).find(|&r| back.scales[r].to_bits() != expected.scales[r].to_bits()) {
+        if let Some(row) =
+            (0..back.rows).find(|&r| back.scales[r].to_bits() != expected.scales[r].to_bits())
+        {
             return Err(SlideSparseError::VerifyMismatch {
                 tensor: self.name.clone(),
                 row,
                 column: 0,
-                detail: format!("scale {} != expected {}", back.scales[row], expected.scales[row]),
+                detail: format!(
+                    "scale {} != expected {}",
+                    back.scales[row], expected.scales[row]
+                ),
             });
         }
         let (a, b) = (back.codes.to_f32(), expected.codes.to_f32());
@@ -198,21 +216,27 @@ fn unslide_matrix<T: SlideElement>(
     let (k, kp) = (geometry.k, geometry.k_prime());
     let mut out = vec![T::ZERO; rows * k];
     for r in 0..rows {
-        slide::unslide_row(&slid[r * kp..(r + 1) * kp], geometry, &mut out[r * k..(r + 1) * k])
-            .map_err(|e| {
-                let (column, what) = match e {
-                    UnslideError::NonzeroInPadding { column } => (column, "a nonzero in a padding column"),
-                    UnslideError::Collision { column } => {
-                        (column, "a second nonzero for the same source column")
-                    }
-                };
-                SlideSparseError::VerifyMismatch {
-                    tensor: name.to_string(),
-                    row: r,
-                    column,
-                    detail: format!("W' is not a valid slide: {what}"),
+        slide::unslide_row(
+            &slid[r * kp..(r + 1) * kp],
+            geometry,
+            &mut out[r * k..(r + 1) * k],
+        )
+        .map_err(|e| {
+            let (column, what) = match e {
+                UnslideError::NonzeroInPadding { column } => {
+                    (column, "a nonzero in a padding column")
                 }
-            })?;
+                UnslideError::Collision { column } => {
+                    (column, "a second nonzero for the same source column")
+                }
+            };
+            SlideSparseError::VerifyMismatch {
+                tensor: name.to_string(),
+                row: r,
+                column,
+                detail: format!("W' is not a valid slide: {what}"),
+            }
+        })?;
     }
     Ok(out)
 }
@@ -247,10 +271,21 @@ pub fn pack_linear(
     options.validate()?;
     if let Some(b) = bias {
         if b.len() != out_features {
-            return Err(SlideSparseError::shape(format!("{name}: bias"), [out_features], [b.len()]));
+            return Err(SlideSparseError::shape(
+                format!("{name}: bias"),
+                [out_features],
+                [b.len()],
+            ));
         }
     }
-    let pruned = prune::prune(name, weight, out_features, in_features, options.pattern, &options.prune)?;
+    let pruned = prune::prune(
+        name,
+        weight,
+        out_features,
+        in_features,
+        options.pattern,
+        &options.prune,
+    )?;
     let quantized = quantize_weight(&pruned, out_features, in_features, options.precision);
     let geometry = options.pattern.geometry(in_features, options.alignment);
     let slid = map_codes!(&quantized.codes, v => slide::slide_matrix(v, out_features, &geometry)
@@ -274,7 +309,12 @@ pub fn pack_linear(
         shape: [out_features, in_features],
         k_prime: geometry.k_prime(),
         nonzeros_before: weight.iter().filter(|v| **v != 0.0).count(),
-        nonzeros_kept: quantized.codes.to_f32().iter().filter(|v| **v != 0.0).count(),
+        nonzeros_kept: quantized
+            .codes
+            .to_f32()
+            .iter()
+            .filter(|v| **v != 0.0)
+            .count(),
         pruning_error: prune::relative_error(weight, &pruned),
         total_error: prune::relative_error(weight, &quantized.dequantize()),
         dense_bytes_f32: 4 * weight.len(),
@@ -292,11 +332,28 @@ pub fn prune_and_quantize(
     in_features: usize,
     options: &PackOptions,
 ) -> Result<QuantizedWeight> {
-    let pruned = prune::prune(name, weight, out_features, in_features, options.pattern, &options.prune)?;
-    Ok(quantize_weight(&pruned, out_features, in_features, options.precision))
+    let pruned = prune::prune(
+        name,
+        weight,
+        out_features,
+        in_features,
+        options.pattern,
+        &options.prune,
+    )?;
+    Ok(quantize_weight(
+        &pruned,
+        out_features,
+        in_features,
+        options.precision,
+    ))
 }
 
-fn slide_failure(name: &str, pattern: SparsityPattern, k: usize, f: SlideFailure) -> SlideSparseError {
+fn slide_failure(
+    name: &str,
+    pattern: SparsityPattern,
+    k: usize,
+    f: SlideFailure,
+) -> SlideSparseError {
     let start = f.block * pattern.block_len();
     SlideSparseError::PatternViolation {
         tensor: name.to_string(),

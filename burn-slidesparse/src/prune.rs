@@ -202,12 +202,28 @@ mod tests {
     #[test]
     fn magnitude_keeps_the_largest_and_breaks_ties_low() {
         let w = [1.0, -5.0, 3.0, 3.0, 0.5, 2.0, -3.0, 4.0];
-        let p = prune("w", &w, 1, 8, SparsityPattern::P6_8, &PruneMethod::Magnitude).unwrap();
+        let p = prune(
+            "w",
+            &w,
+            1,
+            8,
+            SparsityPattern::P6_8,
+            &PruneMethod::Magnitude,
+        )
+        .unwrap();
         // Smallest |w|: 0.5 and 1.0 go.
         assert_eq!(p, [0.0, -5.0, 3.0, 3.0, 0.0, 2.0, -3.0, 4.0]);
         // Ties: three 3s and 2:4 keeps two; the lower indices win.
         let w = [3.0, 3.0, 3.0, 1.0];
-        let p = prune("w", &w, 1, 4, SparsityPattern::P2_4, &PruneMethod::Magnitude).unwrap();
+        let p = prune(
+            "w",
+            &w,
+            1,
+            4,
+            SparsityPattern::P2_4,
+            &PruneMethod::Magnitude,
+        )
+        .unwrap();
         assert_eq!(p, [3.0, 3.0, 0.0, 0.0]);
     }
 
@@ -228,7 +244,15 @@ mod tests {
     fn partial_last_block_counts_padding_as_zero() {
         // K = 11 with 6:8: the last block has 3 real columns, which all fit.
         let w: Vec<f32> = (1..=11).map(|v| v as f32).collect();
-        let p = prune("w", &w, 1, 11, SparsityPattern::P6_8, &PruneMethod::Magnitude).unwrap();
+        let p = prune(
+            "w",
+            &w,
+            1,
+            11,
+            SparsityPattern::P6_8,
+            &PruneMethod::Magnitude,
+        )
+        .unwrap();
         assert_eq!(&p[8..], &[9.0, 10.0, 11.0]);
         assert_eq!(p[..8].iter().filter(|v| **v != 0.0).count(), 6);
     }
@@ -240,7 +264,10 @@ mod tests {
         let err = check_pattern("layer.w", &w, 2, 16, SparsityPattern::P6_8).unwrap_err();
         match err {
             SlideSparseError::PatternViolation {
-                row, block, nonzeros, ..
+                row,
+                block,
+                nonzeros,
+                ..
             } => assert_eq!((row, block, nonzeros), (1, 1, 7)),
             e => panic!("{e}"),
         }
@@ -249,7 +276,17 @@ mod tests {
     #[test]
     fn non_finite_weights_are_refused() {
         let w = [1.0, f32::NAN, 0.0, 0.0];
-        let err = prune("w", &w, 1, 4, SparsityPattern::P2_4, &PruneMethod::Magnitude);
-        assert!(matches!(err, Err(SlideSparseError::NonFiniteWeight { column: 1, .. })));
+        let err = prune(
+            "w",
+            &w,
+            1,
+            4,
+            SparsityPattern::P2_4,
+            &PruneMethod::Magnitude,
+        );
+        assert!(matches!(
+            err,
+            Err(SlideSparseError::NonFiniteWeight { column: 1, .. })
+        ));
     }
 }

@@ -277,7 +277,9 @@ pub fn quantize_weight(
                 .map(|(i, &v)| canonical_fp8(fp8::f32_to_e4m3(v / scale_of(i))))
                 .collect(),
         ),
-        Precision::Bf16 => WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect()),
+        Precision::Bf16 => {
+            WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect())
+        }
         Precision::F16 => WeightCodes::F16(values.par_iter().map(|&v| f16::from_f32(v)).collect()),
         Precision::F32 => WeightCodes::F32(values.to_vec()),
     };
@@ -290,7 +292,7 @@ pub fn quantize_weight(
 }
 
 /// `-0` (0x80) becomes `+0`: a negative zero has been seen to break 2:4 compressors.
-fn canonical_fp8(code: u8) -> u8 {
+pub(crate) fn canonical_fp8(code: u8) -> u8 {
     if code == 0x80 { 0 } else { code }
 }
 
@@ -318,7 +320,9 @@ mod tests {
     fn fp8_row_max_maps_to_448() {
         let q = quantize_weight(&[0.0, -3.0, 1.0, 2.0], 1, 4, Precision::Fp8);
         assert_eq!(q.scales[0], 3.0 / 448.0);
-        let WeightCodes::Fp8(codes) = &q.codes else { panic!() };
+        let WeightCodes::Fp8(codes) = &q.codes else {
+            panic!()
+        };
         assert_eq!(fp8::e4m3_to_f32(codes[1]), -448.0);
         let deq = q.dequantize();
         for (a, b) in deq.iter().zip([0.0, -3.0, 1.0, 2.0]) {

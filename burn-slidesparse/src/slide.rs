@@ -88,7 +88,9 @@ pub fn slide_row<T: SlideElement>(
                 }
             }
         }
-        let left = (0..real).filter(|&p| !block(p).is_zero() && !taken[p]).count();
+        let left = (0..real)
+            .filter(|&p| !block(p).is_zero() && !taken[p])
+            .count();
         if left > 0 {
             let nonzeros = (0..real).filter(|&p| !block(p).is_zero()).count();
             return Err((b, nonzeros));
@@ -198,7 +200,10 @@ mod tests {
         slide_row(&row, &g, &mut out).unwrap();
         // window 0 (cols 0..4): 1, 2 taken; 3 left for window 1 (cols 2..6) with 4;
         // window 2 (cols 4..8): 5, 6.
-        assert_eq!(&out[..12], &[1.0, 0.0, 2.0, 0.0, 0.0, 3.0, 0.0, 4.0, 0.0, 0.0, 5.0, 6.0]);
+        assert_eq!(
+            &out[..12],
+            &[1.0, 0.0, 2.0, 0.0, 0.0, 3.0, 0.0, 4.0, 0.0, 0.0, 5.0, 6.0]
+        );
         assert!(out[12..].iter().all(|v| *v == 0.0));
         let mut back = vec![0.0; 8];
         unslide_row(&out, &g, &mut back).unwrap();

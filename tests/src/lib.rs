@@ -1,1 +1,57 @@
+//! Helpers shared by the cross-crate integration tests in `tests/tests/`.
 
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// A deterministic RNG per test (fresh data per seed; seeds differ between tests).
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// `len` random values in [-1, 1).
+pub fn random_f32(rng: &mut StdRng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// `len` random small nonzero integers as f32 (products and sums stay exact in f32).
+pub fn random_small_ints(rng: &mut StdRng, len: usize, max: i32) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            let v = rng.random_range(1..=max) as f32;
+            if rng.random_bool(0.5) { v } else { -v }
+        })
+        .collect()
+}
+
+/// `Y = X . W^T + b` in f64, for row-major `X [m, k]`, `W [n, k]`.
+pub fn dense_linear(
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f64> {
+    let mut y = vec![0.0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0.0f64;
+            for t in 0..k {
+                acc += x[i * k + t] as f64 * w[j * k + t] as f64;
+            }
+            y[i * n + j] = acc + b.map_or(0.0, |b| b[j] as f64);
+        }
+    }
+    y
+}
+
+/// `||a - b|| / ||b||` (absolute norm when `b` is zero).
+pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}

@@ -1,0 +1,119 @@
+//! The backend extension for the SlideSparse linear op.
+//!
+//! A backend prepares a layer's weights once (the CUDA backend compresses them for
+//! cuSPARSELt; the reference backend decodes them to floats) and then runs the forward on
+//! `[M, K]` activations. Every burn backend can use the [`reference`](crate::reference)
+//! implementation: it is the CPU path and the oracle of the GPU tests.
+
+use std::{any::Any, fmt::Debug, sync::Arc};
+
+use burn::tensor::{Tensor, backend::Backend};
+
+use crate::{error::Result, pattern::SparsityPattern, quant::Precision};
+
+/// Static description of a packed layer: everything but the tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct LayerSpec {
+    pub pattern: SparsityPattern,
+    pub precision: Precision,
+    /// Input width `K`.
+    pub in_features: usize,
+    pub out_features: usize,
+    /// Alignment of `K'`.
+    pub alignment: usize,
+}
+
+impl LayerSpec {
+    /// Geometry of the layer.
+    pub fn geometry(&self) -> cubecl_kernels::SlideGeometry {
+        self.pattern.geometry(self.in_features, self.alignment)
+    }
+
+    /// `K'`.
+    pub fn k_prime(&self) -> usize {
+        self.geometry().k_prime()
+    }
+}
+
+/// A packed layer's tensors on a backend, borrowed for preparation.
+#[derive(Clone, Debug)]
+pub struct PackedTensors<B: Backend> {
+    pub spec: LayerSpec,
+    /// `W' [out, K']` as code values: INT8 integers, decoded E4M3 values, or the floats.
+    pub weight: Tensor<B, 2>,
+    /// Per-output-channel scales `[out]`.
+    pub scale: Tensor<B, 1>,
+    pub bias: Option<Tensor<B, 1>>,
+}
+
+/// A backend that can run SlideSparse linear layers.
+pub trait SlideSparseBackend: Backend {
+    /// The weights in the form the backend's forward consumes, built once per layer and
+    /// device and cached by the module.
+    type Prepared: Clone + Debug + Send + Sync + 'static;
+
+    /// Builds the prepared weights. May synchronize and allocate: it runs once.
+    fn slidesparse_prepare(weights: PackedTensors<Self>) -> Result<Self::Prepared>;
+
+    /// `Y [M, out] = dequant(quant(lift(X)) . W'^T) + b` for `X [M, K]`.
+    fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2>;
+}
+
+/// What a prepared weight depends on: the weight and scale parameters and the device.
+pub(crate) type PreparedKey = (u64, u64, burn::tensor::backend::DeviceId);
+
+/// Type-erased slot the module keeps its prepared weights in (the module type cannot name
+/// `B::Prepared` without requiring `SlideSparseBackend` everywhere it is used).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PreparedSlot {
+    inner: Arc<std::sync::Mutex<Option<(PreparedKey, Arc<dyn Any + Send + Sync>)>>>,
+}
+
+impl PreparedSlot {
+    /// The prepared weights for `key`, building them with `init` on a miss.
+    pub(crate) fn get_or_try_init<P: Clone + Send + Sync + 'static>(
+        &self,
+        key: PreparedKey,
+        init: impl FnOnce() -> Result<P>,
+    ) -> Result<P> {
+        let mut slot = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((k, value)) = slot.as_ref() {
+            if *k == key {
+                if let Some(p) = value.downcast_ref::<P>() {
+                    return Ok(p.clone());
+                }
+            }
+        }
+        let prepared = init()?;
+        *slot = Some((key, Arc::new(prepared.clone())));
+        Ok(prepared)
+    }
+}
+
+/// Implements [`SlideSparseBackend`] with the reference path for a backend type:
+/// `impl_reference_backend!(for [] burn::backend::NdArray);`, with generic parameters in
+/// the brackets: `impl_reference_backend!(for [B: Backend] burn::backend::Autodiff<B>);`
+#[macro_export]
+macro_rules! impl_reference_backend {
+    (for [$($generics:tt)*] $backend:ty) => {
+        impl<$($generics)*> $crate::backend::SlideSparseBackend for $backend {
+            type Prepared = $crate::reference::ReferencePrepared<Self>;
+
+            fn slidesparse_prepare(
+                weights: $crate::backend::PackedTensors<Self>,
+            ) -> $crate::Result<Self::Prepared> {
+                Ok($crate::reference::prepare(weights))
+            }
+
+            fn slidesparse_forward(
+                x: burn::tensor::Tensor<Self, 2>,
+                prepared: &Self::Prepared,
+            ) -> burn::tensor::Tensor<Self, 2> {
+                $crate::reference::forward(x, prepared)
+            }
+        }
+    };
+}
+
+impl_reference_backend!(for [] burn::backend::NdArray);
+impl_reference_backend!(for [B: Backend] burn::backend::Autodiff<B>);

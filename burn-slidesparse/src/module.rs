@@ -1,0 +1,272 @@
+//! `SlideSparseLinear`: a drop-in replacement for `burn::nn::Linear` running a packed
+//! `(2N-2):2N` weight.
+
+use burn::{
+    config::Config,
+    module::{Module, Param},
+    nn::Linear,
+    tensor::{Tensor, TensorData, backend::Backend},
+};
+
+use crate::{
+    backend::{LayerSpec, PackedTensors, PreparedSlot, SlideSparseBackend},
+    error::{Result, SlideSparseError},
+    pack::{DEFAULT_ALIGNMENT, PackOptions, PackedLinear, check_alignment, pack_linear},
+    pattern::SparsityPattern,
+    prune::PruneMethod,
+    quant::{Precision, QuantizedWeight, WeightCodes, canonical_fp8},
+};
+
+/// Configuration of a [`SlideSparseLinear`]; `init` gives an all-zero (valid) packed layer
+/// into which a record can be loaded, the usual burn way.
+#[derive(Config, Debug)]
+pub struct SlideSparseLinearConfig {
+    /// Input width `K`.
+    pub d_input: usize,
+    /// Output width.
+    pub d_output: usize,
+    pub pattern: SparsityPattern,
+    pub precision: Precision,
+    #[config(default = true)]
+    pub bias: bool,
+    /// `K'` alignment (power of two, >= 32 for 8-bit, >= 16 for 16-bit precisions).
+    #[config(default = 64)]
+    pub alignment: usize,
+}
+
+impl SlideSparseLinearConfig {
+    /// The layer spec this config describes.
+    pub fn spec(&self) -> LayerSpec {
+        LayerSpec {
+            pattern: self.pattern,
+            precision: self.precision,
+            in_features: self.d_input,
+            out_features: self.d_output,
+            alignment: self.alignment,
+        }
+    }
+
+    /// An all-zero packed layer (scales 1, bias 0).
+    pub fn try_init<B: Backend>(&self, device: &B::Device) -> Result<SlideSparseLinear<B>> {
+        check_alignment(self.alignment, self.precision)?;
+        let spec = self.spec();
+        let kp = spec.k_prime();
+        let n = spec.out_features;
+        let codes = match self.precision {
+            Precision::Int8 => WeightCodes::I8(vec![0; n * kp]),
+            Precision::Fp8 => WeightCodes::Fp8(vec![0; n * kp]),
+            Precision::Bf16 => WeightCodes::Bf16(vec![half::bf16::ZERO; n * kp]),
+            Precision::F16 => WeightCodes::F16(vec![half::f16::ZERO; n * kp]),
+            Precision::F32 => WeightCodes::F32(vec![0.0; n * kp]),
+        };
+        let packed = PackedLinear {
+            name: "init".into(),
+            pattern: self.pattern,
+            in_features: self.d_input,
+            alignment: self.alignment,
+            weight: QuantizedWeight {
+                rows: n,
+                cols: kp,
+                codes,
+                scales: vec![1.0; n],
+            },
+            bias: self.bias.then(|| vec![0.0; n]),
+        };
+        Ok(SlideSparseLinear::from_packed(&packed, device))
+    }
+
+    /// [`try_init`](Self::try_init), panicking on an invalid alignment like burn's own
+    /// config `init`s do.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> SlideSparseLinear<B> {
+        self.try_init(device)
+            .unwrap_or_else(|e| panic!("SlideSparseLinearConfig::init: {e}"))
+    }
+}
+
+/// A linear layer `[..., K] -> [..., out]` whose weight is a slid `(2N-2):2N` matrix.
+///
+/// The record holds the packed form: the slid `W'` as code values (INT8 integers, E4M3
+/// values, or the BF16/F16/F32 floats), per-channel scales and the bias; the layout comes
+/// from the config. Code values are exact in f32 and f16 records (INT8, FP8, F16) and in f32
+/// records for BF16/F32: save BF16/F32 layers with full precision settings.
+#[derive(Module, Debug)]
+pub struct SlideSparseLinear<B: Backend> {
+    /// `W' [out, K']` code values.
+    pub weight: Param<Tensor<B, 2>>,
+    /// Per-output-channel scales `[out]`.
+    pub weight_scale: Param<Tensor<B, 1>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    /// Pattern, precision and sizes (not persisted: the config carries them).
+    pub spec: LayerSpec,
+    /// The backend's prepared weights, built on first use.
+    prepared: PreparedSlot,
+}
+
+impl<B: Backend> SlideSparseLinear<B> {
+    /// Uploads a packed layer.
+    pub fn from_packed(packed: &PackedLinear, device: &B::Device) -> Self {
+        let spec = LayerSpec {
+            pattern: packed.pattern,
+            precision: packed.precision(),
+            in_features: packed.in_features,
+            out_features: packed.out_features(),
+            alignment: packed.alignment,
+        };
+        let shape = [packed.weight.rows, packed.weight.cols];
+        Self {
+            weight: float_param(packed.weight.codes.to_f32(), &shape, device),
+            weight_scale: float_param(packed.weight.scales.clone(), &[shape[0]], device),
+            bias: packed
+                .bias
+                .as_ref()
+                .map(|b| float_param(b.clone(), &[shape[0]], device)),
+            spec,
+            prepared: PreparedSlot::default(),
+        }
+    }
+
+    /// Prunes, quantizes and packs a `burn::nn::Linear` (weight layout `[in, out]`).
+    pub fn from_linear(linear: &Linear<B>, options: &PackOptions) -> Result<Self> {
+        let weight = linear.weight.val();
+        let device = weight.device();
+        let [d_in, d_out] = weight.dims();
+        // burn stores [in, out]; the packer works on the PyTorch layout [out, in].
+        let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
+        let bias = match &linear.bias {
+            Some(b) => Some(to_vec_f32(b.val().into_data(), "linear bias")?),
+            None => None,
+        };
+        let (packed, _, _) =
+            pack_linear("linear.weight", &w, d_out, d_in, bias.as_deref(), options)?;
+        Ok(Self::from_packed(&packed, &device))
+    }
+
+    /// Shorthand for [`from_linear`](Self::from_linear) with magnitude pruning.
+    pub fn from_linear_with(
+        linear: &Linear<B>,
+        pattern: SparsityPattern,
+        precision: Precision,
+        prune: PruneMethod,
+    ) -> Result<Self> {
+        Self::from_linear(
+            linear,
+            &PackOptions {
+                pattern,
+                precision,
+                prune,
+                alignment: DEFAULT_ALIGNMENT,
+            },
+        )
+    }
+
+    /// Reads the layer back into its portable packed form (synchronizes with the device).
+    pub fn to_packed(&self, name: &str) -> Result<PackedLinear> {
+        let spec = self.spec;
+        let values = to_vec_f32(self.weight.val().into_data(), "weight")?;
+        let codes = codes_from_values(values, spec.precision);
+        let packed = PackedLinear {
+            name: name.to_string(),
+            pattern: spec.pattern,
+            in_features: spec.in_features,
+            alignment: spec.alignment,
+            weight: QuantizedWeight {
+                rows: spec.out_features,
+                cols: spec.k_prime(),
+                codes,
+                scales: to_vec_f32(self.weight_scale.val().into_data(), "weight scale")?,
+            },
+            bias: match &self.bias {
+                Some(b) => Some(to_vec_f32(b.val().into_data(), "bias")?),
+                None => None,
+            },
+        };
+        packed.validate()?;
+        Ok(packed)
+    }
+
+    /// The layer's tensors, for a backend's preparation.
+    pub fn packed_tensors(&self) -> PackedTensors<B> {
+        PackedTensors {
+            spec: self.spec,
+            weight: self.weight.val(),
+            scale: self.weight_scale.val(),
+            bias: self.bias.as_ref().map(|b| b.val()),
+        }
+    }
+}
+
+impl<B: SlideSparseBackend> SlideSparseLinear<B> {
+    /// The backend's prepared weights, built once per device and parameter set.
+    pub fn prepared(&self) -> Result<B::Prepared> {
+        let device = self.weight.device();
+        let key = (
+            self.weight.id.val(),
+            self.weight_scale.id.val(),
+            burn::tensor::backend::DeviceOps::id(&device),
+        );
+        self.prepared
+            .get_or_try_init(key, || B::slidesparse_prepare(self.packed_tensors()))
+    }
+
+    /// Applies the layer to `[..., K]`, returning `[..., out]`, or an error (wrong input
+    /// width, preparation failure on the backend).
+    pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<Tensor<B, D>> {
+        let dims = input.dims();
+        let k = dims[D - 1];
+        if k != self.spec.in_features {
+            return Err(SlideSparseError::shape(
+                "SlideSparseLinear input (last dimension)",
+                self.spec.in_features,
+                k,
+            ));
+        }
+        let prepared = self.prepared()?;
+        let m: usize = dims[..D - 1].iter().product();
+        let y = B::slidesparse_forward(input.reshape([m, k]), &prepared);
+        let mut out_dims = dims;
+        out_dims[D - 1] = self.spec.out_features;
+        Ok(y.reshape(out_dims))
+    }
+
+    /// Applies the layer to `[..., K]`, returning `[..., out]`. Panics with the error of
+    /// [`try_forward`](Self::try_forward), like `burn::nn::Linear` panics on bad shapes.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.try_forward(input)
+            .unwrap_or_else(|e| panic!("SlideSparseLinear::forward: {e}"))
+    }
+}
+
+/// Codes of a precision from their exact f32 values (the inverse of `WeightCodes::to_f32`).
+fn codes_from_values(values: Vec<f32>, precision: Precision) -> WeightCodes {
+    match precision {
+        Precision::Int8 => WeightCodes::I8(values.iter().map(|&v| v as i8).collect()),
+        Precision::Fp8 => WeightCodes::Fp8(
+            values
+                .iter()
+                .map(|&v| canonical_fp8(crate::fp8::f32_to_e4m3(v)))
+                .collect(),
+        ),
+        Precision::Bf16 => {
+            WeightCodes::Bf16(values.iter().map(|&v| half::bf16::from_f32(v)).collect())
+        }
+        Precision::F16 => {
+            WeightCodes::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect())
+        }
+        Precision::F32 => WeightCodes::F32(values),
+    }
+}
+
+fn float_param<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: &[usize],
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    let data = TensorData::new(values, shape.to_vec()).convert::<B::FloatElem>();
+    Param::from_tensor(Tensor::from_data(data, device))
+}
+
+fn to_vec_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
+    data.convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| SlideSparseError::Backend(format!("reading {what}: {e:?}")))
+}

@@ -1,0 +1,121 @@
+//! The reference SlideSparse forward, for any burn backend.
+//!
+//! It performs exactly the GPU pipeline with plain tensor ops: lift by index gather,
+//! per-token quantization with the same scale and rounding as the GPU kernel (INT8 round
+//! half to even, FP8 E4M3 round to nearest even with saturation), a matmul with the slid
+//! weight codes, and the epilogue `Y = acc * s_x[m] * s_w[n] + b[n]`.
+//!
+//! Non-finite activations: for 8-bit precisions a token (row) holding any NaN or ±Inf gets
+//! the scale NaN, so its whole output row is NaN (never a silently finite garbage row). For
+//! float precisions IEEE arithmetic applies.
+
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+
+use crate::{
+    backend::{LayerSpec, PackedTensors},
+    fp8,
+    quant::Precision,
+};
+
+/// Floor of the per-token absmax before dividing by `QMAX`: keeps the scale of an all-zero
+/// token positive (its codes are all zero either way).
+pub const ACTIVATION_EPS: f32 = 1e-12;
+
+/// Prepared weights of the reference path.
+#[derive(Clone, Debug)]
+pub struct ReferencePrepared<B: Backend> {
+    pub spec: LayerSpec,
+    /// `W'^T [K', out]` as float code values (INT8 integers, decoded E4M3, or floats).
+    pub weight_t: Tensor<B, 2>,
+    /// `s_w [1, out]`.
+    pub scale: Tensor<B, 2>,
+    /// `b [1, out]`.
+    pub bias: Option<Tensor<B, 2>>,
+    /// Lift map `[K']` into `X` extended with one zero column (index `K` means zero).
+    pub lift: Tensor<B, 1, Int>,
+}
+
+/// Transposes the weight for the matmul and builds the lift map.
+pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
+    let spec = weights.spec;
+    let values = weights.weight;
+    let device = values.device();
+    let lift: Vec<i64> = spec
+        .geometry()
+        .lift_map_with_zero_column()
+        .into_iter()
+        .map(|i| i as i64)
+        .collect();
+    let k_prime = lift.len();
+    ReferencePrepared {
+        spec,
+        weight_t: values.transpose(),
+        scale: weights.scale.unsqueeze_dim(0),
+        bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
+        lift: Tensor::from_data(TensorData::new(lift, [k_prime]), &device),
+    }
+}
+
+/// The lifted `X' [M, K']`: `X'[m, o] = X[m, src(o)]`, zero where `src(o)` is padding.
+pub fn lift<B: Backend>(x: Tensor<B, 2>, lift: Tensor<B, 1, Int>) -> Tensor<B, 2> {
+    let [m, _] = x.dims();
+    let zero = Tensor::zeros([m, 1], &x.device());
+    Tensor::cat(vec![x, zero], 1).select(1, lift)
+}
+
+/// Per-token scale `s_x [M, 1] = max(absmax(X[m,:]), eps) / qmax`, NaN for tokens holding a
+/// non-finite value.
+pub fn token_scales<B: Backend>(x: Tensor<B, 2>, qmax: f32) -> Tensor<B, 2> {
+    let non_finite = x.clone().is_finite().bool_not().any_dim(1);
+    let absmax = x.abs().max_dim(1).clamp_min(ACTIVATION_EPS);
+    (absmax / qmax).mask_fill(non_finite, f32::NAN)
+}
+
+/// Rounds `v` (already divided by its scale) to the precision's grid, as the GPU does.
+pub fn quantize_codes<B: Backend>(v: Tensor<B, 2>, precision: Precision) -> Tensor<B, 2> {
+    match precision {
+        Precision::Int8 => v.round().clamp(-127.0, 127.0),
+        Precision::Fp8 => round_e4m3(v),
+        _ => v,
+    }
+}
+
+/// E4M3 round-to-nearest-even with saturation, with exact tensor ops: the binade's quantum is
+/// built by comparisons and powers of two only (no log/exp, whose rounding is not exact).
+fn round_e4m3<B: Backend>(v: Tensor<B, 2>) -> Tensor<B, 2> {
+    let sign = v.clone().sign();
+    let a = v.abs().clamp_max(fp8::E4M3_MAX);
+    // Quantum 2^(e-3) for a in [2^e, 2^(e+1)), e >= -6; subnormals share 2^-9.
+    let mut quantum = a.zeros_like().add_scalar(2f32.powi(-9));
+    for e in -5..=8 {
+        let doubled = a.clone().greater_equal_elem(2f32.powi(e));
+        quantum = quantum.clone().mask_where(doubled, quantum * 2.0);
+    }
+    let rounded = (a / quantum.clone()).round() * quantum;
+    rounded.clamp_max(fp8::E4M3_MAX) * sign
+}
+
+/// The reference forward of `X [M, K]`.
+pub fn forward<B: Backend>(x: Tensor<B, 2>, prepared: &ReferencePrepared<B>) -> Tensor<B, 2> {
+    let spec = &prepared.spec;
+    let [_, k] = x.dims();
+    assert_eq!(
+        k, spec.in_features,
+        "SlideSparse layer expects {} input features, got {k}",
+        spec.in_features
+    );
+    let lifted = lift(x.clone(), prepared.lift.clone());
+    let out = match spec.precision.qmax() {
+        Some(qmax) => {
+            let s_x = token_scales(x, qmax);
+            let codes = quantize_codes(lifted / s_x.clone(), spec.precision);
+            let acc = codes.matmul(prepared.weight_t.clone());
+            acc * s_x * prepared.scale.clone()
+        }
+        None => lifted.matmul(prepared.weight_t.clone()) * prepared.scale.clone(),
+    };
+    match &prepared.bias {
+        Some(b) => out + b.clone(),
+        None => out,
+    }
+}
