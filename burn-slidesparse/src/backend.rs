@@ -62,11 +62,13 @@ pub trait SlideSparseBackend: Backend {
 /// What a prepared weight depends on: the weight and scale parameters and the device.
 pub(crate) type PreparedKey = (u64, u64, burn::tensor::backend::DeviceId);
 
+type ErasedPrepared = Arc<dyn Any + Send + Sync>;
+
 /// Type-erased slot the module keeps its prepared weights in (the module type cannot name
 /// `B::Prepared` without requiring `SlideSparseBackend` everywhere it is used).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct PreparedSlot {
-    inner: Arc<std::sync::Mutex<Option<(PreparedKey, Arc<dyn Any + Send + Sync>)>>>,
+    inner: Arc<std::sync::Mutex<Option<(PreparedKey, ErasedPrepared)>>>,
 }
 
 impl PreparedSlot {
@@ -77,12 +79,11 @@ impl PreparedSlot {
         init: impl FnOnce() -> Result<P>,
     ) -> Result<P> {
         let mut slot = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((k, value)) = slot.as_ref() {
-            if *k == key {
-                if let Some(p) = value.downcast_ref::<P>() {
-                    return Ok(p.clone());
-                }
-            }
+        if let Some((k, value)) = slot.as_ref()
+            && *k == key
+            && let Some(p) = value.downcast_ref::<P>()
+        {
+            return Ok(p.clone());
         }
         let prepared = init()?;
         *slot = Some((key, Arc::new(prepared.clone())));

@@ -50,6 +50,10 @@ pub struct LayerMeta {
     pub k_prime: usize,
     pub alignment: usize,
     pub bias: bool,
+    /// How the weight was pruned (`magnitude`, `activation-aware` or `none`), so that
+    /// `verify --against` can redo it.
+    #[serde(default)]
+    pub prune: Option<String>,
 }
 
 impl LayerMeta {
@@ -65,6 +69,7 @@ impl LayerMeta {
             k_prime: layer.k_prime(),
             alignment: layer.alignment,
             bias: layer.bias.is_some(),
+            prune: None,
         }
     }
 }

@@ -20,3 +20,8 @@ pub mod reference;
 
 pub use backend::{LayerSpec, SlideSparseBackend};
 pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
+pub mod checkpoint;
+pub mod demo;
+pub mod swap;
+
+pub use swap::{MaybeSparseLinear, VisitLinears, sparsify};

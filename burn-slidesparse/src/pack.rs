@@ -147,14 +147,14 @@ impl PackedLinear {
                 detail: format!("scale {} is not finite and positive", self.weight.scales[i]),
             });
         }
-        if let Some(b) = &self.bias {
-            if b.len() != rows {
-                return Err(SlideSparseError::shape(
-                    format!("{}: bias", self.name),
-                    [rows],
-                    [b.len()],
-                ));
-            }
+        if let Some(b) = &self.bias
+            && b.len() != rows
+        {
+            return Err(SlideSparseError::shape(
+                format!("{}: bias", self.name),
+                [rows],
+                [b.len()],
+            ));
         }
         let violation =
             with_codes!(&self.weight.codes, v => slide::first_2_4_violation(v, rows, cols));
@@ -269,14 +269,14 @@ pub fn pack_linear(
     options: &PackOptions,
 ) -> Result<(PackedLinear, QuantizedWeight, PackStats)> {
     options.validate()?;
-    if let Some(b) = bias {
-        if b.len() != out_features {
-            return Err(SlideSparseError::shape(
-                format!("{name}: bias"),
-                [out_features],
-                [b.len()],
-            ));
-        }
+    if let Some(b) = bias
+        && b.len() != out_features
+    {
+        return Err(SlideSparseError::shape(
+            format!("{name}: bias"),
+            [out_features],
+            [b.len()],
+        ));
     }
     let pruned = prune::prune(
         name,

@@ -95,8 +95,12 @@ impl FromStr for SparsityPattern {
             .ok_or_else(|| invalid(String::new()))?;
         let nz: u32 = nz.trim().parse().map_err(|_| invalid(String::new()))?;
         let block: u32 = block.trim().parse().map_err(|_| invalid(String::new()))?;
-        if block % 2 == 1 || block < 4 || nz + 2 != block {
-            let hint = if block % 2 == 0 && block >= 4 && nz + nz < block && block >= nz + 2 {
+        if !block.is_multiple_of(2) || block < 4 || nz + 2 != block {
+            let hint = if block.is_multiple_of(2)
+                && block >= 4
+                && nz + nz < block
+                && block >= nz + 2
+            {
                 let zeros = nz;
                 format!(
                     "; note that {input:?} means {nz} nonzeros in {block}, not a SlideSparse pattern \

@@ -1,1 +1,275 @@
-fn main() {}
+//! `slidesparse`: pack, verify and inspect SlideSparse checkpoints.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use burn_slidesparse::{
+    PackOptions, Precision, PruneMethod, Result, SparsityPattern,
+    checkpoint::{self, LayerSelection},
+    format::{self, PackedFile},
+    pack::DEFAULT_ALIGNMENT,
+};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "slidesparse",
+    version,
+    about = "Pack LLM checkpoints to SlideSparse (2N-2):2N form"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Prune, quantize and slide every selected linear weight of a safetensors checkpoint.
+    Pack {
+        /// Pattern nonzeros:block, (2N-2):2N: 2:4, 4:6, 6:8, 8:10, ...
+        #[arg(long, default_value = "6:8")]
+        pattern: SparsityPattern,
+        /// int8, fp8, bf16, f16 or f32.
+        #[arg(long, default_value = "int8")]
+        precision: Precision,
+        /// magnitude, or none (the weights must already satisfy the pattern).
+        #[arg(long, default_value = "magnitude")]
+        prune: PruneMethod,
+        /// Regular expression selecting the tensors to pack (default: every `*.weight`
+        /// matrix except embeddings, norms and the LM head).
+        #[arg(long)]
+        layers: Option<String>,
+        /// K' alignment (power of two; >= 32 for 8-bit, >= 16 for 16-bit precisions).
+        #[arg(long, default_value_t = DEFAULT_ALIGNMENT)]
+        alignment: usize,
+        /// Write a JSON report here.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Hide the progress bar.
+        #[arg(long)]
+        quiet: bool,
+        input: PathBuf,
+        output: PathBuf,
+    },
+    /// Check a packed file (exit code 0 only if every layer is valid).
+    Verify {
+        packed: PathBuf,
+        /// Also check every layer against the original dense checkpoint.
+        #[arg(long)]
+        against: Option<PathBuf>,
+    },
+    /// Print the layers of a packed file (or the tensors of any safetensors file).
+    Inspect { file: PathBuf },
+    /// Write a random HF-style Llama checkpoint (for demos and speed measurements).
+    Generate {
+        output: PathBuf,
+        #[arg(long, default_value_t = 1024)]
+        hidden: usize,
+        #[arg(long, default_value_t = 2816)]
+        intermediate: usize,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Generate a checkpoint, pack it, verify it and compare a layer with dense: the
+    /// quickstart in one command.
+    Demo {
+        /// Working directory (default: a new temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        #[arg(long, default_value = "6:8")]
+        pattern: SparsityPattern,
+        #[arg(long, default_value = "int8")]
+        precision: Precision,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Pack {
+            pattern,
+            precision,
+            prune,
+            layers,
+            alignment,
+            report,
+            quiet,
+            input,
+            output,
+        } => {
+            let options = PackOptions {
+                pattern,
+                precision,
+                prune,
+                alignment,
+            };
+            let selection = LayerSelection::new(layers.as_deref())?;
+            let result =
+                checkpoint::pack_checkpoint(&input, &output, &selection, &options, !quiet)?;
+            print_pack_summary(&result);
+            if let Some(path) = report {
+                let json = serde_json::to_vec_pretty(&result).expect("report serializes");
+                format::write_atomically(&path, &json)?;
+            }
+            Ok(())
+        }
+        Command::Verify { packed, against } => {
+            let report = checkpoint::verify_checkpoint(&packed, against.as_deref())?;
+            println!(
+                "ok: {} packed layers valid 2:4, {} checked against the original",
+                report.layers, report.checked_against_original
+            );
+            Ok(())
+        }
+        Command::Inspect { file } => inspect(&file),
+        Command::Generate {
+            output,
+            hidden,
+            intermediate,
+            layers,
+            seed,
+        } => {
+            let bytes = checkpoint::write_random_checkpoint(
+                &output,
+                hidden,
+                intermediate,
+                layers,
+                safetensors::Dtype::F32,
+                seed,
+            )?;
+            println!("wrote {} ({:.1} MB)", output.display(), bytes as f64 / 1e6);
+            Ok(())
+        }
+        Command::Demo {
+            dir,
+            pattern,
+            precision,
+        } => demo(dir, pattern, precision),
+    }
+}
+
+fn print_pack_summary(report: &checkpoint::PackReport) {
+    println!(
+        "{:<48} {:>14} {:>7} {:>8} {:>9} {:>9}",
+        "layer", "shape", "K'", "kept %", "prune err", "total err"
+    );
+    for l in &report.layers {
+        println!(
+            "{:<48} {:>14} {:>7} {:>7.1}% {:>9.4} {:>9.4}",
+            l.name,
+            format!("{}x{}", l.shape[0], l.shape[1]),
+            l.k_prime,
+            100.0 * l.nonzeros_kept as f64 / (l.shape[0] * l.shape[1]).max(1) as f64,
+            l.pruning_error,
+            l.total_error
+        );
+    }
+    println!(
+        "packed {} layers, copied {} tensors: {:.1} MB -> {:.1} MB in {:.2} s ({:.0} MB/s)",
+        report.layers.len(),
+        report.copied_tensors,
+        report.input_bytes as f64 / 1e6,
+        report.output_bytes as f64 / 1e6,
+        report.seconds,
+        report.megabytes_per_second
+    );
+}
+
+fn inspect(file: &std::path::Path) -> Result<()> {
+    let bytes = std::fs::read(file).map_err(|e| burn_slidesparse::SlideSparseError::io(file, e))?;
+    let path = file.display().to_string();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|source| {
+        burn_slidesparse::SlideSparseError::SafeTensors {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    if header
+        .metadata()
+        .as_ref()
+        .is_some_and(|m| m.contains_key(format::VERSION_KEY))
+    {
+        let packed = PackedFile::from_bytes(&path, &bytes)?;
+        println!(
+            "SlideSparse packed file, format version {}",
+            format::FORMAT_VERSION
+        );
+        println!(
+            "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5}",
+            "layer", "pattern", "prec", "out x K", "K'", "bias"
+        );
+        for l in &packed.layers {
+            println!(
+                "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5}",
+                l.name,
+                l.pattern.to_string(),
+                l.precision().to_string(),
+                format!("{}x{}", l.out_features(), l.in_features),
+                l.k_prime(),
+                l.bias.is_some()
+            );
+        }
+    } else {
+        println!("plain safetensors file (not packed)");
+    }
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|source| burn_slidesparse::SlideSparseError::SafeTensors { path, source })?;
+    let mut names = st.names();
+    names.sort();
+    println!("{} tensors:", names.len());
+    for name in names {
+        let t = st.tensor(name).expect("listed");
+        println!("  {name}: {:?} {:?}", t.dtype(), t.shape());
+    }
+    Ok(())
+}
+
+fn demo(dir: Option<PathBuf>, pattern: SparsityPattern, precision: Precision) -> Result<()> {
+    let temp;
+    let dir = match dir {
+        Some(d) => {
+            std::fs::create_dir_all(&d)
+                .map_err(|e| burn_slidesparse::SlideSparseError::io(&d, e))?;
+            d
+        }
+        None => {
+            temp =
+                tempfile::tempdir().map_err(|e| burn_slidesparse::SlideSparseError::io(".", e))?;
+            temp.path().to_path_buf()
+        }
+    };
+    let dense = dir.join("dense.safetensors");
+    let packed = dir.join("packed.safetensors");
+    println!(
+        "1. generating a random 2-layer Llama-style checkpoint: {}",
+        dense.display()
+    );
+    checkpoint::write_random_checkpoint(&dense, 512, 1536, 2, safetensors::Dtype::F32, 7)?;
+    println!("2. packing it at {pattern} {precision}");
+    let options = PackOptions::new(pattern, precision);
+    let report =
+        checkpoint::pack_checkpoint(&dense, &packed, &LayerSelection::new(None)?, &options, true)?;
+    print_pack_summary(&report);
+    println!("3. verifying against the original");
+    let v = checkpoint::verify_checkpoint(&packed, Some(&dense))?;
+    println!(
+        "   ok: {} layers valid 2:4, un-slide exactly to the pruned quantized weights",
+        v.layers
+    );
+    println!("4. running one layer as SlideSparseLinear (CPU reference backend) against dense");
+    burn_slidesparse::demo::compare_layer_with_dense(
+        &packed,
+        &dense,
+        "model.layers.0.mlp.down_proj.weight",
+    )
+}

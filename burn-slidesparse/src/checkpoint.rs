@@ -1,0 +1,368 @@
+//! Packing whole checkpoints: every selected 2-D linear weight of a safetensors file is
+//! packed, every other tensor is copied unchanged.
+
+use std::{path::Path, time::Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use regex::Regex;
+use safetensors::{Dtype, SafeTensors};
+use serde::Serialize;
+
+use crate::{
+    error::{Result, SlideSparseError},
+    format::{self, LayerMeta, OwnedTensor, PackedFile},
+    pack::{PackOptions, PackStats, pack_linear, prune_and_quantize},
+    prune::PruneMethod,
+    quant::quantize_weight,
+};
+
+/// Default selection: every `*.weight` matrix except embeddings, norms and the LM head.
+pub const DEFAULT_LAYER_FILTER: &str = r"\.weight$";
+/// Names never packed by default (embeddings, norms, output head).
+pub const DEFAULT_EXCLUDE: &str = r"(embed|norm|lm_head|wte|wpe)";
+
+/// Which tensors of a checkpoint to pack.
+#[derive(Clone, Debug)]
+pub struct LayerSelection {
+    include: Regex,
+    exclude: Option<Regex>,
+}
+
+impl LayerSelection {
+    /// `include` selects tensor names; with `None`, the default selection applies.
+    pub fn new(include: Option<&str>) -> Result<Self> {
+        let compile = |pattern: &str| {
+            Regex::new(pattern).map_err(|source| SlideSparseError::Regex {
+                pattern: pattern.to_string(),
+                source,
+            })
+        };
+        Ok(match include {
+            Some(p) => Self {
+                include: compile(p)?,
+                exclude: None,
+            },
+            None => Self {
+                include: compile(DEFAULT_LAYER_FILTER)?,
+                exclude: Some(compile(DEFAULT_EXCLUDE)?),
+            },
+        })
+    }
+
+    /// Whether a 2-D tensor of this name is packed.
+    pub fn selects(&self, name: &str) -> bool {
+        self.include.is_match(name) && !self.exclude.as_ref().is_some_and(|e| e.is_match(name))
+    }
+}
+
+/// The JSON report of a `pack` run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PackReport {
+    pub input: String,
+    pub output: String,
+    pub options: PackOptions,
+    pub layers: Vec<PackStats>,
+    pub copied_tensors: usize,
+    pub input_bytes: u64,
+    pub output_bytes: u64,
+    pub seconds: f64,
+    /// Input bytes over wall time.
+    pub megabytes_per_second: f64,
+}
+
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| SlideSparseError::io(path, e))?;
+    // SAFETY: the file is only read; concurrent truncation by another process would be a
+    // user error that the safetensors bounds checks turn into an error or a SIGBUS, as with
+    // any memory-mapped reader.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| SlideSparseError::io(path, e))
+}
+
+fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(bytes).map_err(|source| SlideSparseError::SafeTensors {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Packs a checkpoint `input` into `output` (written atomically; never over the input).
+pub fn pack_checkpoint(
+    input: &Path,
+    output: &Path,
+    selection: &LayerSelection,
+    options: &PackOptions,
+    show_progress: bool,
+) -> Result<PackReport> {
+    options.validate()?;
+    refuse_overwriting_input(input, output)?;
+    let start = Instant::now();
+    let mmap = map_file(input)?;
+    let st = parse(input, &mmap)?;
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    let selected: Vec<&String> = names
+        .iter()
+        .filter(|n| selection.selects(n) && st.tensor(n).is_ok_and(|t| t.shape().len() == 2))
+        .collect();
+    let total_bytes: u64 = selected
+        .iter()
+        .map(|n| st.tensor(n).map_or(0, |t| t.data().len() as u64))
+        .sum();
+    let bar = progress_bar(total_bytes, show_progress);
+
+    let mut layer_metas = Vec::new();
+    let mut stats = Vec::new();
+    let mut tensors: Vec<(String, OwnedTensor)> = Vec::new();
+    let mut packed_prefixes = std::collections::HashSet::new();
+    for name in &selected {
+        let view = st.tensor(name).expect("listed above");
+        bar.set_message(name.to_string());
+        let [rows, cols] = [view.shape()[0], view.shape()[1]];
+        let weight = format::read_f32(name, &view)?;
+        let bias_name = format!("{}.bias", format::prefix_of(name));
+        let bias = match st.tensor(&bias_name) {
+            Ok(b) if b.shape() == [rows] => Some(format::read_f32(&bias_name, &b)?),
+            _ => None,
+        };
+        let (packed, _, layer_stats) =
+            pack_linear(name, &weight, rows, cols, bias.as_deref(), options)?;
+        let (mut meta, layer_tensors) = format::layer_tensors(&packed);
+        meta.prune = Some(options.prune.to_string());
+        packed_prefixes.insert(meta.prefix.clone());
+        layer_metas.push(meta);
+        tensors.extend(layer_tensors);
+        stats.push(layer_stats);
+        bar.inc(view.data().len() as u64);
+    }
+    bar.finish_and_clear();
+
+    let mut copied = 0;
+    for name in &names {
+        let is_packed_weight = selected.contains(&name);
+        let is_packed_bias = name
+            .strip_suffix(".bias")
+            .is_some_and(|p| packed_prefixes.contains(p));
+        if is_packed_weight || is_packed_bias {
+            continue;
+        }
+        let view = st.tensor(name).expect("listed above");
+        tensors.push((
+            name.clone(),
+            OwnedTensor {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            },
+        ));
+        copied += 1;
+    }
+    let bytes = format::serialize(&tensors, format::file_metadata(&layer_metas))?;
+    format::write_atomically(output, &bytes)?;
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(PackReport {
+        input: input.display().to_string(),
+        output: output.display().to_string(),
+        options: options.clone(),
+        layers: stats,
+        copied_tensors: copied,
+        input_bytes: mmap.len() as u64,
+        output_bytes: bytes.len() as u64,
+        seconds,
+        megabytes_per_second: mmap.len() as f64 / 1e6 / seconds.max(1e-9),
+    })
+}
+
+fn refuse_overwriting_input(input: &Path, output: &Path) -> Result<()> {
+    let same = match (input.canonicalize(), output.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => input == output,
+    };
+    if same {
+        return Err(SlideSparseError::OutputIsInput(output.to_path_buf()));
+    }
+    Ok(())
+}
+
+fn progress_bar(total: u64, visible: bool) -> ProgressBar {
+    if !visible {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}")
+            .expect("valid template"),
+    );
+    bar
+}
+
+/// Outcome of verifying one packed file.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyReport {
+    pub layers: usize,
+    pub checked_against_original: usize,
+}
+
+/// Checks every packed layer (2:4 validity, exact un-slide) and, with `original`, that each
+/// un-slides to the pruned, quantized original weight.
+pub fn verify_checkpoint(packed: &Path, original: Option<&Path>) -> Result<VerifyReport> {
+    let bytes = std::fs::read(packed).map_err(|e| SlideSparseError::io(packed, e))?;
+    let path = packed.display().to_string();
+    let file = PackedFile::from_bytes(&path, &bytes)?;
+    let mut checked = 0;
+    if let Some(original) = original {
+        let (_, header) =
+            SafeTensors::read_metadata(&bytes).map_err(|source| SlideSparseError::SafeTensors {
+                path: path.clone(),
+                source,
+            })?;
+        let metas = format::read_layer_metas(&path, header.metadata())?;
+        let mmap = map_file(original)?;
+        let st = parse(original, &mmap)?;
+        for (meta, layer) in metas.iter().zip(&file.layers) {
+            verify_layer_against(original, &st, meta, layer)?;
+            checked += 1;
+        }
+    }
+    Ok(VerifyReport {
+        layers: file.layers.len(),
+        checked_against_original: checked,
+    })
+}
+
+fn verify_layer_against(
+    original: &Path,
+    st: &SafeTensors<'_>,
+    meta: &LayerMeta,
+    layer: &crate::pack::PackedLinear,
+) -> Result<()> {
+    let view = st
+        .tensor(&meta.source_tensor)
+        .map_err(|_| SlideSparseError::MissingTensor {
+            name: meta.source_tensor.clone(),
+            path: original.display().to_string(),
+        })?;
+    let expected_shape = [meta.out_features, meta.in_features];
+    if view.shape() != expected_shape {
+        return Err(SlideSparseError::shape(
+            &meta.source_tensor,
+            expected_shape,
+            view.shape(),
+        ));
+    }
+    let weight = format::read_f32(&meta.source_tensor, &view)?;
+    let expected = match meta.prune.as_deref() {
+        Some("magnitude") | Some("none") => {
+            let options = PackOptions {
+                pattern: meta.pattern,
+                precision: meta.precision,
+                prune: meta
+                    .prune
+                    .as_deref()
+                    .unwrap_or("none")
+                    .parse::<PruneMethod>()?,
+                alignment: meta.alignment,
+            };
+            prune_and_quantize(
+                &meta.source_tensor,
+                &weight,
+                meta.out_features,
+                meta.in_features,
+                &options,
+            )?
+        }
+        // Pruned with information not in the file (calibration norms): check against the
+        // original restricted to the kept positions.
+        _ => {
+            let kept = layer.unslide()?.codes.to_f32();
+            let masked: Vec<f32> = weight
+                .iter()
+                .zip(&kept)
+                .map(|(&w, &k)| if k != 0.0 { w } else { 0.0 })
+                .collect();
+            quantize_weight(&masked, meta.out_features, meta.in_features, meta.precision)
+        }
+    };
+    layer.verify_against(&expected)
+}
+
+/// Writes a random HF-style Llama checkpoint (f32 or bf16), for demos, tests and packing
+/// speed measurements. Returns its size in bytes.
+pub fn write_random_checkpoint(
+    path: &Path,
+    hidden: usize,
+    intermediate: usize,
+    layers: usize,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<u64> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut tensors = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, rng: &mut StdRng| {
+        let n: usize = shape.iter().product();
+        let scale = 1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt();
+        let values = (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale);
+        let data: Vec<u8> = match dtype {
+            Dtype::BF16 => values
+                .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            _ => values.flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        tensors.push((
+            name,
+            OwnedTensor {
+                dtype: if dtype == Dtype::BF16 {
+                    Dtype::BF16
+                } else {
+                    Dtype::F32
+                },
+                shape,
+                data,
+            },
+        ));
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![1024, hidden],
+        &mut rng,
+    );
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+            add(
+                format!("{p}.self_attn.{proj}.weight"),
+                vec![hidden, hidden],
+                &mut rng,
+            );
+        }
+        add(format!("{p}.self_attn.q_proj.bias"), vec![hidden], &mut rng);
+        add(
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![intermediate, hidden],
+            &mut rng,
+        );
+        add(
+            format!("{p}.mlp.up_proj.weight"),
+            vec![intermediate, hidden],
+            &mut rng,
+        );
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![hidden, intermediate],
+            &mut rng,
+        );
+        add(
+            format!("{p}.input_layernorm.weight"),
+            vec![hidden],
+            &mut rng,
+        );
+    }
+    add("model.norm.weight".into(), vec![hidden], &mut rng);
+    let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
+        .map_err(|source| SlideSparseError::SafeTensors {
+            path: path.display().to_string(),
+            source,
+        })?;
+    format::write_atomically(path, &bytes)?;
+    Ok(bytes.len() as u64)
+}

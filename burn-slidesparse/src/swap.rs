@@ -1,0 +1,109 @@
+//! Swapping a model's `nn::Linear` layers for `SlideSparseLinear`.
+//!
+//! Rust models have fixed field types, so a model that wants to choose per layer holds
+//! [`MaybeSparseLinear`] fields and lists them through [`VisitLinears`]; [`sparsify`] then
+//! packs every listed layer that the filter accepts (e.g. everything but the LM head).
+
+use burn::{
+    module::Module,
+    nn::Linear,
+    tensor::{Tensor, backend::Backend},
+};
+
+use crate::{
+    backend::SlideSparseBackend,
+    error::{Result, SlideSparseError},
+    module::SlideSparseLinear,
+    pack::PackOptions,
+};
+
+/// A linear layer that is either dense (`burn::nn::Linear`) or SlideSparse.
+#[derive(Module, Debug)]
+pub struct MaybeSparseLinear<B: Backend> {
+    dense: Option<Linear<B>>,
+    sparse: Option<SlideSparseLinear<B>>,
+}
+
+impl<B: Backend> From<Linear<B>> for MaybeSparseLinear<B> {
+    fn from(linear: Linear<B>) -> Self {
+        Self {
+            dense: Some(linear),
+            sparse: None,
+        }
+    }
+}
+
+impl<B: Backend> From<SlideSparseLinear<B>> for MaybeSparseLinear<B> {
+    fn from(layer: SlideSparseLinear<B>) -> Self {
+        Self {
+            dense: None,
+            sparse: Some(layer),
+        }
+    }
+}
+
+impl<B: Backend> MaybeSparseLinear<B> {
+    /// Whether the layer is SlideSparse.
+    pub fn is_sparse(&self) -> bool {
+        self.sparse.is_some()
+    }
+
+    /// The dense layer, if it is dense.
+    pub fn dense(&self) -> Option<&Linear<B>> {
+        self.dense.as_ref()
+    }
+
+    /// The sparse layer, if it is sparse.
+    pub fn sparse(&self) -> Option<&SlideSparseLinear<B>> {
+        self.sparse.as_ref()
+    }
+
+    /// Packs a dense layer in place (a sparse layer is left as it is).
+    pub fn sparsify(&mut self, options: &PackOptions) -> Result<()> {
+        if let Some(dense) = &self.dense {
+            let sparse = SlideSparseLinear::from_linear(dense, options)?;
+            *self = sparse.into();
+        }
+        Ok(())
+    }
+}
+
+impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
+    /// `[..., in] -> [..., out]` through whichever layer this is.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        match (&self.dense, &self.sparse) {
+            (Some(dense), _) => dense.forward(input),
+            (None, Some(sparse)) => sparse.forward(input),
+            (None, None) => unreachable!("MaybeSparseLinear holds one layer"),
+        }
+    }
+}
+
+/// A model that can list its swappable linear layers by name.
+pub trait VisitLinears<B: Backend> {
+    /// Calls `f` with the name and layer of every swappable linear layer.
+    fn visit_linears(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut MaybeSparseLinear<B>) -> Result<()>,
+    ) -> Result<()>;
+}
+
+/// Packs every linear layer of `model` for which `include(name)` holds; returns the names
+/// packed. Errors name the layer that failed.
+pub fn sparsify<B: Backend, M: VisitLinears<B>>(
+    model: &mut M,
+    options: &PackOptions,
+    include: impl Fn(&str) -> bool,
+) -> Result<Vec<String>> {
+    let mut packed = Vec::new();
+    model.visit_linears(&mut |name, layer| {
+        if include(name) && !layer.is_sparse() {
+            layer
+                .sparsify(options)
+                .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
+            packed.push(name.to_string());
+        }
+        Ok(())
+    })?;
+    Ok(packed)
+}
