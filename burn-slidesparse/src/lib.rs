@@ -25,3 +25,5 @@ pub mod demo;
 pub mod swap;
 
 pub use swap::{MaybeSparseLinear, VisitLinears, sparsify};
+#[cfg(feature = "cuda")]
+pub mod cuda;

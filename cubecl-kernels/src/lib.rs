@@ -2,12 +2,16 @@
 //! share with the CPU packer and reference path.
 //!
 //! - [`geometry`]: pattern geometry (`K_pad`, `K_slide`, `K'`) and the lift index map `src(o)`.
-//! - `quant_lift` (feature `cuda`): fused per-token quantization + lift, the plain per-token
-//!   quantization of the dense baseline, and the pure lift for 16-bit types.
-//! - `epilogue` (feature `cuda`): dequantization + bias.
+//! - `quant_lift` (feature `cubecl`): fused per-token quantization + lift, and the plain
+//!   per-token quantization of the dense baseline (the same kernel without the lift).
+//! - `epilogue` (feature `cubecl`): dequantization + bias.
 //!
 //! This crate has no burn dependency: burn integration lives in `burn-slidesparse`.
 
+#[cfg(feature = "cubecl")]
+pub mod epilogue;
 pub mod geometry;
+#[cfg(feature = "cubecl")]
+pub mod quant_lift;
 
 pub use geometry::{SlideGeometry, lift_source_unbounded};

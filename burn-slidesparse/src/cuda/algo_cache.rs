@@ -1,0 +1,81 @@
+//! The on-disk memory of `cusparseLtMatmulSearch` results, so that a second process starts
+//! fast: a small JSON map from "GPU | library version | shape bucket" to the winning
+//! algorithm configuration id.
+//!
+//! Location: `$SLIDESPARSE_CACHE_DIR`, else `$XDG_CACHE_HOME/burn-slidesparse`, else
+//! `~/.cache/burn-slidesparse`; file `cusparselt-algorithms.json`. `SLIDESPARSE_ALGO_SEARCH=0`
+//! turns searching off (the library's default algorithm is used).
+
+use std::{collections::BTreeMap, path::PathBuf};
+
+use super::cusparselt::GemmShape;
+
+/// Search results, loaded lazily and written back after each new entry.
+#[derive(Debug, Default)]
+pub struct AlgoCache {
+    path: Option<PathBuf>,
+    entries: BTreeMap<String, i32>,
+    pub search_enabled: bool,
+}
+
+/// The M bucket a search result is shared across: powers of two from 16.
+pub fn m_bucket(m_pad: usize) -> usize {
+    m_pad.next_power_of_two().max(16)
+}
+
+impl AlgoCache {
+    /// Opens (or starts) the cache file.
+    pub fn open() -> Self {
+        let path = cache_dir().map(|d| d.join("cusparselt-algorithms.json"));
+        let entries = path
+            .as_ref()
+            .and_then(|p| std::fs::read(p).ok())
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default();
+        let search_enabled = std::env::var("SLIDESPARSE_ALGO_SEARCH").map_or(true, |v| v != "0");
+        Self {
+            path,
+            entries,
+            search_enabled,
+        }
+    }
+
+    /// Key of a shape on a GPU and library version.
+    pub fn key(gpu: &str, version: i32, shape: &GemmShape) -> String {
+        format!(
+            "{gpu}|cusparselt {version}|m<={} n={} k'={} {}",
+            m_bucket(shape.m_pad),
+            shape.n_pad,
+            shape.k_prime,
+            shape.precision
+        )
+    }
+
+    pub fn get(&self, key: &str) -> Option<i32> {
+        self.entries.get(key).copied()
+    }
+
+    /// Records a result and rewrites the file (best effort: a read-only home only costs a
+    /// search in the next process).
+    pub fn insert(&mut self, key: String, config_id: i32) {
+        self.entries.insert(key, config_id);
+        if let Some(path) = &self.path {
+            if let Some(dir) = path.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            if let Ok(json) = serde_json::to_vec_pretty(&self.entries) {
+                let _ = crate::format::write_atomically(path, &json);
+            }
+        }
+    }
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("SLIDESPARSE_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("burn-slidesparse"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/burn-slidesparse"))
+}

@@ -1,0 +1,365 @@
+//! `SlideSparseBackend` for burn-cuda's `CubeBackend<CudaRuntime, ..>`: the real pipeline.
+//!
+//! Forward of `X [M, K]`:
+//! 1. CubeCL `quant_lift_kernel` on burn's stream: `X' [M_pad, K']` codes and `s_x [M_pad]`;
+//! 2. cuSPARSELt sparse GEMM `acc [M_pad, N_pad] = X' . W'^T` with a cached plan;
+//! 3. CubeCL `dequant_bias_kernel` on burn's stream: `Y [M, N]` in the layer's float dtype.
+//!
+//! Stream ordering. cubecl-cuda 0.10 runs kernels on a private per-thread stream that it
+//! does not expose, so cuSPARSELt runs on our own stream: before the GEMM we wait for burn's
+//! stream to drain (`client.sync()`), after it we wait for ours (`cuStreamSynchronize`).
+//! Both are host synchronizations: correct, and the cost is measured in
+//! `docs/benchmarks.md`. Buffers come from cubecl's memory pool and are kept alive (their
+//! handles held) until the GEMM has finished.
+
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous, tensor::CubeTensor};
+use cubecl::{
+    CubeCount, CubeDim, calculate_cube_count_elemwise, e4m3, ir::AddressType, prelude::*, server::Handle,
+};
+use cubecl_kernels::{
+    epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
+    quant_lift::{LiftMode, QUANT_CUBE_DIM, quant_lift_kernel},
+};
+use half::{bf16, f16};
+
+use super::{
+    cusparselt::{self, GemmShape, MatDescriptor},
+    state::{DeviceState, device_state},
+};
+use crate::{
+    backend::{LayerSpec, PackedTensors, SlideSparseBackend},
+    error::{Result, SlideSparseError},
+    quant::Precision,
+};
+
+type Runtime = cubecl::cuda::CudaRuntime;
+type Client = ComputeClient<Runtime>;
+
+/// A layer's weights on the GPU, compressed for cuSPARSELt.
+#[derive(Clone)]
+pub struct CudaPrepared {
+    pub spec: LayerSpec,
+    /// `N_out` padded to the structured-matrix multiple.
+    pub n_pad: usize,
+    compressed: Handle,
+    scale: Handle,
+    bias: Option<Handle>,
+    state: Arc<Mutex<DeviceState>>,
+}
+
+impl std::fmt::Debug for CudaPrepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaPrepared")
+            .field("spec", &self.spec)
+            .field("n_pad", &self.n_pad)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Rows of the structured matrix must be a multiple of this (32 for 8-bit, 16 for 16-bit).
+fn n_multiple(precision: Precision) -> usize {
+    if precision.element_bytes() == 1 { 32 } else { 16 }
+}
+
+/// `M` padded for the dense operand (16 for 8-bit, 8 for 16-bit types).
+pub fn m_pad(m: usize, precision: Precision) -> usize {
+    let multiple = if precision.element_bytes() == 1 { 16 } else { 8 };
+    m.max(1).next_multiple_of(multiple)
+}
+
+fn backend_err(what: impl std::fmt::Display) -> SlideSparseError {
+    SlideSparseError::Backend(what.to_string())
+}
+
+fn ptr(client: &Client, handle: &Handle) -> Result<u64> {
+    let resource = client
+        .get_resource(handle.clone())
+        .map_err(|e| backend_err(format!("cubecl get_resource: {e:?}")))?;
+    Ok(resource.resource().ptr)
+}
+
+fn sync_burn_stream(client: &Client) -> Result<()> {
+    cubecl::future::block_on(client.sync()).map_err(|e| backend_err(format!("cubecl sync: {e:?}")))
+}
+
+/// Little-endian bytes of `W'` padded to `n_pad` zero rows, in the GEMM input type.
+fn weight_bytes(values: &[f32], rows: usize, n_pad: usize, k_prime: usize, precision: Precision) -> Vec<u8> {
+    let mut codes: Vec<u8> = match precision {
+        Precision::Int8 => values.iter().map(|&v| v as i8 as u8).collect(),
+        Precision::Fp8 => values
+            .iter()
+            .map(|&v| crate::quant::canonical_fp8(crate::fp8::f32_to_e4m3(v)))
+            .collect(),
+        Precision::Bf16 => values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
+        Precision::F16 => values.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+        Precision::F32 => values.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+    };
+    codes.resize(n_pad * k_prime * precision.element_bytes(), 0);
+    debug_assert_eq!(values.len(), rows * k_prime);
+    codes
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn host_f32<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| backend_err(format!("reading weights: {e:?}")))
+}
+
+/// Uploads, checks (PruneCheck) and compresses a packed weight. Runs once per layer.
+fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
+    weights: PackedTensors<CubeBackend<Runtime, F, I, BT>>,
+) -> Result<CudaPrepared> {
+    let spec = weights.spec;
+    if spec.precision == Precision::F32 {
+        return Err(backend_err(
+            "precision f32 has no structured (2:4) GEMM in cuSPARSELt on this GPU; pack with int8, fp8, bf16 or f16 \
+             (f32 layers run on the reference backends)",
+        ));
+    }
+    let primitive = weights.weight.clone().into_primitive().tensor();
+    let (client, index) = (primitive.client.clone(), primitive.device.index);
+    let k_prime = spec.k_prime();
+    let n_pad = spec.out_features.next_multiple_of(n_multiple(spec.precision));
+    let values = host_f32(weights.weight)?;
+    let dense = client.create_from_slice(&weight_bytes(&values, spec.out_features, n_pad, k_prime, spec.precision));
+    let scale = client.create_from_slice(&f32_bytes(&host_f32(weights.scale)?));
+    let bias = match weights.bias {
+        Some(b) => Some(client.create_from_slice(&f32_bytes(&host_f32(b)?))),
+        None => None,
+    };
+
+    let state = device_state(index)?;
+    let guard = state.lock().unwrap_or_else(|e| e.into_inner());
+    guard.make_current()?;
+    let desc = MatDescriptor::structured(&guard.lt, k_prime, n_pad, spec.precision)?;
+    let sizes = cusparselt::compressed_sizes(&guard.lt, &desc)?;
+    let compressed = client.empty(sizes.compressed.max(16));
+    let buffer = client.empty(sizes.buffer.max(16));
+    let valid = client.create_from_slice(&[0xAB; 4]);
+    let (p_dense, p_comp, p_buf, p_valid) =
+        (ptr(&client, &dense)?, ptr(&client, &compressed)?, ptr(&client, &buffer)?, ptr(&client, &valid)?);
+    sync_burn_stream(&client)?; // uploads done before our stream reads them
+    // SAFETY: the pointers are live cubecl allocations of the sizes cuSPARSELt asked for; the
+    // handles are held until after the synchronization below.
+    unsafe {
+        cusparselt::prune_check(&guard.lt, &desc, p_dense, p_valid, guard.stream as _)?;
+        cusparselt::compress(&guard.lt, &desc, p_dense, p_comp, p_buf, guard.stream as _)?;
+    }
+    guard.synchronize()?;
+    drop(desc_destroy(&guard, desc));
+    let flag = client.read_one(valid).map_err(|e| backend_err(format!("reading PruneCheck result: {e:?}")))?;
+    if flag[..4] != [0, 0, 0, 0] {
+        return Err(SlideSparseError::WindowViolation {
+            tensor: "SlideSparseLinear weight (cuSPARSELt PruneCheck)".into(),
+            row: 0,
+            column: 0,
+            nonzeros: 3,
+        });
+    }
+    drop((dense, buffer, guard));
+    Ok(CudaPrepared {
+        spec,
+        n_pad,
+        compressed,
+        scale,
+        bias,
+        state,
+    })
+}
+
+/// Destroys a standalone descriptor (plans own theirs).
+fn desc_destroy(state: &DeviceState, desc: MatDescriptor) -> Result<()> {
+    desc.destroy(&state.lt)
+}
+
+fn lift_mode(precision: Precision) -> LiftMode {
+    match precision {
+        Precision::Int8 => LiftMode::Int8,
+        Precision::Fp8 => LiftMode::Fp8,
+        _ => LiftMode::Float,
+    }
+}
+
+fn address_type(bytes: usize) -> AddressType {
+    if bytes > (i32::MAX as usize) { AddressType::U64 } else { AddressType::U32 }
+}
+
+/// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
+/// `n == 0` is the dense baseline (no lift, `k_slide == k`).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_quant_lift<F: FloatElement>(
+    client: &Client,
+    x: &Handle,
+    codes: &Handle,
+    scales: &Handle,
+    (m, m_pad, k, k_slide, k_out): (usize, usize, usize, usize, usize),
+    n: u32,
+    precision: Precision,
+) -> Result<()> {
+    let mode = lift_mode(precision);
+    let elem = precision.element_bytes();
+    let addr = address_type(m_pad * k_out * elem.max(4));
+    let count = CubeCount::Static(m_pad as u32, 1, 1);
+    let dim = CubeDim::new_1d(QUANT_CUBE_DIM);
+    let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
+    // SAFETY: buffer sizes match the lengths given; the kernel bounds every access by them.
+    unsafe {
+        let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k);
+        let out = ArrayArg::from_raw_parts(codes.clone(), m_pad * k_out / 4);
+        let s = ArrayArg::from_raw_parts(scales.clone(), m_pad);
+        macro_rules! go {
+            ($q:ty) => {
+                quant_lift_kernel::launch_unchecked::<F, $q, Runtime>(
+                    client, count, dim, addr, x_arg, out, s, scalars.0, scalars.1, scalars.2, scalars.3, n, mode,
+                )
+            };
+        }
+        match precision {
+            Precision::Int8 => go!(i8),
+            Precision::Fp8 => go!(e4m3),
+            Precision::Bf16 => go!(bf16),
+            Precision::F16 => go!(f16),
+            Precision::F32 => go!(f32),
+        }
+    }
+    Ok(())
+}
+
+/// Launches the epilogue: `acc [m_pad, n_pad]` -> `Y [m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_epilogue<F: FloatElement>(
+    client: &Client,
+    acc: &Handle,
+    token_scales: &Handle,
+    channel_scales: &Handle,
+    bias: Option<&Handle>,
+    out: &Handle,
+    (m, m_pad, n, n_pad): (usize, usize, usize, usize),
+    precision: Precision,
+) -> Result<()> {
+    let dim = CubeDim::new_1d(EPILOGUE_CUBE_DIM);
+    let count = calculate_cube_count_elemwise(client, m * n, dim);
+    let addr = address_type(m_pad * n_pad * 4);
+    // SAFETY: sizes as allocated by the caller; the kernel reads only rows < m, cols < n.
+    unsafe {
+        let acc_arg = ArrayArg::from_raw_parts(acc.clone(), m_pad * n_pad);
+        let sx = ArrayArg::from_raw_parts(token_scales.clone(), m_pad);
+        let sw = ArrayArg::from_raw_parts(channel_scales.clone(), n);
+        let b = match bias {
+            Some(b) => ArrayArg::from_raw_parts(b.clone(), n),
+            None => ArrayArg::from_raw_parts(channel_scales.clone(), n),
+        };
+        let y = ArrayArg::from_raw_parts(out.clone(), m * n);
+        let dims = (m as u32, n as u32, n_pad as u32);
+        macro_rules! go {
+            ($a:ty) => {
+                dequant_bias_kernel::launch_unchecked::<$a, F, Runtime>(
+                    client, count, dim, addr, acc_arg, sx, sw, b, y, dims.0, dims.1, dims.2, bias.is_some(),
+                )
+            };
+        }
+        match precision {
+            Precision::Int8 => go!(i32),
+            Precision::Fp8 | Precision::F32 => go!(f32),
+            Precision::Bf16 => go!(bf16),
+            Precision::F16 => go!(f16),
+        }
+    }
+    Ok(())
+}
+
+/// The full forward on the GPU; `x` must be contiguous `[m, k]`.
+fn forward_impl<F: FloatElement>(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeTensor<Runtime>> {
+    let spec = &prepared.spec;
+    let geometry = spec.geometry();
+    let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
+    let (k_prime, n, n_pad) = (geometry.k_prime(), spec.out_features, prepared.n_pad);
+    let precision = spec.precision;
+    let m_pad = m_pad(m, precision);
+    let client = x.client.clone();
+
+    let codes = client.empty(m_pad * k_prime * precision.element_bytes());
+    let token_scales = client.empty(m_pad * 4);
+    let acc = client.empty(m_pad * n_pad * cusparselt::output_bytes(precision));
+    let out = client.empty(m * n * core::mem::size_of::<F>());
+    launch_quant_lift::<F>(
+        &client,
+        &x.handle,
+        &codes,
+        &token_scales,
+        (m, m_pad, k, geometry.k_slide(), k_prime),
+        geometry.n,
+        precision,
+    )?;
+    run_sparse_gemm(&client, prepared, &codes, &acc, m_pad)?;
+    launch_epilogue::<F>(
+        &client,
+        &acc,
+        &token_scales,
+        &prepared.scale,
+        prepared.bias.as_ref(),
+        &out,
+        (m, m_pad, n, n_pad),
+        precision,
+    )?;
+    Ok(CubeTensor::new_contiguous(client, x.device.clone(), Shape::new([m, n]), out, F::dtype()))
+}
+
+/// `acc = X' . W'^T` through cuSPARSELt on our stream, ordered after burn's kernels.
+pub fn run_sparse_gemm(client: &Client, prepared: &CudaPrepared, codes: &Handle, acc: &Handle, m_pad: usize) -> Result<()> {
+    let shape = GemmShape {
+        m_pad,
+        n_pad: prepared.n_pad,
+        k_prime: prepared.spec.k_prime(),
+        precision: prepared.spec.precision,
+    };
+    let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
+    state.make_current()?;
+    let search = state.needs_search(&shape);
+    let workspace_bytes = state.plan(shape)?.workspace;
+    let workspace = client.empty(workspace_bytes.max(16) * if search { 4 } else { 1 });
+    let (p_w, p_x, p_acc, p_ws) =
+        (ptr(client, &prepared.compressed)?, ptr(client, codes)?, ptr(client, acc)?, ptr(client, &workspace)?);
+    sync_burn_stream(client)?;
+    let stream = state.stream as cusparselt_stream;
+    let DeviceState { lt, plans, .. } = &mut *state;
+    let plan = plans.get_mut(&shape).expect("built above");
+    // SAFETY: all pointers are live cubecl allocations of this plan's shapes, held until the
+    // stream synchronization below.
+    unsafe {
+        if search {
+            let id = plan.search(lt, p_w, p_x, p_acc, p_ws, stream)?;
+            state.remember(&shape, id);
+        }
+        let plan = state.plans.get(&shape).expect("built above");
+        plan.run(&state.lt, p_w, p_x, p_acc, p_ws, stream)?;
+    }
+    state.synchronize()?;
+    drop(workspace);
+    Ok(())
+}
+
+#[allow(non_camel_case_types)]
+type cusparselt_stream = super::cusparselt_sys::Stream;
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend for CubeBackend<Runtime, F, I, BT> {
+    type Prepared = CudaPrepared;
+
+    fn slidesparse_prepare(weights: PackedTensors<Self>) -> Result<Self::Prepared> {
+        prepare_weights(weights)
+    }
+
+    fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2> {
+        let x = into_contiguous(x.into_primitive().tensor());
+        let y = forward_impl::<F>(x, prepared).unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+}

@@ -1,0 +1,410 @@
+//! Safe owners of cuSPARSELt objects: the per-device handle, compressed weights and cached
+//! matmul plans. Every object is boxed (cuSPARSELt keeps pointers into them) and destroyed
+//! exactly once, in `Drop`.
+
+use std::ffi::c_void;
+
+use super::cusparselt_sys::{self as sys, CusparseLt, Opaque, Stream};
+use crate::{error::Result, quant::Precision};
+
+/// One cuSPARSELt handle (bound to the device current when it was made).
+pub struct LtHandle {
+    pub lib: CusparseLt,
+    handle: Box<Opaque>,
+    pub version: i32,
+}
+
+// SAFETY: the handle is only used under the device state's mutex (see `state.rs`).
+unsafe impl Send for LtHandle {}
+
+impl LtHandle {
+    /// Loads the library and creates a handle on the current device.
+    pub fn new() -> Result<Self> {
+        let lib = CusparseLt::load()?;
+        let mut handle = Opaque::boxed();
+        // SAFETY: `handle` is a writable, aligned, 1 KiB opaque struct.
+        lib.check(unsafe { (lib.cusparseLtInit)(&mut *handle) }, "Init")?;
+        let mut version = 0;
+        // SAFETY: the handle was initialized above.
+        lib.check(unsafe { (lib.cusparseLtGetVersion)(&*handle, &mut version) }, "GetVersion")?;
+        let this = Self { lib, handle, version };
+        if version < 800 {
+            return Err(crate::SlideSparseError::Backend(format!(
+                "cuSPARSELt {} at {} is too old: 0.8 or newer is needed",
+                version_string(version),
+                this.lib.path.display()
+            )));
+        }
+        Ok(this)
+    }
+
+    pub(crate) fn raw(&self) -> *const Opaque {
+        &*self.handle
+    }
+}
+
+impl Drop for LtHandle {
+    fn drop(&mut self) {
+        // SAFETY: initialized in `new`, destroyed once here.
+        unsafe { (self.lib.cusparseLtDestroy)(&*self.handle) };
+    }
+}
+
+/// `major.minor.patch` of a cuSPARSELt version number (`major*1000 + minor*100 + patch`).
+pub fn version_string(version: i32) -> String {
+    format!("{}.{}.{}", version / 1000, version % 1000 / 100, version % 100)
+}
+
+/// cuSPARSELt types of one precision: (input, output/C/D, compute).
+pub fn types_of(precision: Precision) -> (i32, i32, i32) {
+    use sys::{compute, data_type as t};
+    match precision {
+        Precision::Int8 => (t::R_8I, t::R_32I, compute::C32I),
+        Precision::Fp8 => (t::R_8F_E4M3, t::R_32F, compute::C32F),
+        Precision::Bf16 => (t::R_16BF, t::R_16BF, compute::C32F),
+        Precision::F16 => (t::R_16F, t::R_16F, compute::C32F),
+        Precision::F32 => (t::R_32F, t::R_32F, compute::C32F),
+    }
+}
+
+/// Bytes of one accumulator/output element of a precision's GEMM.
+pub fn output_bytes(precision: Precision) -> usize {
+    match precision {
+        Precision::Int8 | Precision::Fp8 | Precision::F32 => 4,
+        Precision::Bf16 | Precision::F16 => 2,
+    }
+}
+
+/// A matrix descriptor.
+pub struct MatDescriptor {
+    desc: Box<Opaque>,
+}
+
+impl MatDescriptor {
+    /// The structured (2:4) weight `W'` row-major `[n_pad, k']` seen column-major `[k', n_pad]`.
+    pub fn structured(lt: &LtHandle, k_prime: usize, n_pad: usize, precision: Precision) -> Result<Self> {
+        let mut desc = Opaque::boxed();
+        let (input, _, _) = types_of(precision);
+        // SAFETY: valid handle and writable descriptor.
+        let status = unsafe {
+            (lt.lib.cusparseLtStructuredDescriptorInit)(
+                lt.raw(),
+                &mut *desc,
+                k_prime as i64,
+                n_pad as i64,
+                k_prime as i64,
+                16,
+                input,
+                sys::ORDER_COL,
+                sys::SPARSITY_50_PERCENT,
+            )
+        };
+        lt.lib.check(status, "StructuredDescriptorInit")?;
+        Ok(Self { desc })
+    }
+
+    /// A dense column-major `[rows, cols]` matrix with `ld = rows`.
+    pub fn dense(lt: &LtHandle, rows: usize, cols: usize, data_type: i32) -> Result<Self> {
+        let mut desc = Opaque::boxed();
+        // SAFETY: valid handle and writable descriptor.
+        let status = unsafe {
+            (lt.lib.cusparseLtDenseDescriptorInit)(
+                lt.raw(),
+                &mut *desc,
+                rows as i64,
+                cols as i64,
+                rows as i64,
+                16,
+                data_type,
+                sys::ORDER_COL,
+            )
+        };
+        lt.lib.check(status, "DenseDescriptorInit")?;
+        Ok(Self { desc })
+    }
+
+    fn raw(&self) -> *const Opaque {
+        &*self.desc
+    }
+
+    /// Destroys a descriptor that no plan owns.
+    pub fn destroy(self, lt: &LtHandle) -> Result<()> {
+        // SAFETY: initialized at construction, destroyed once (consumes self).
+        lt.lib.check(unsafe { (lt.lib.cusparseLtMatDescriptorDestroy)(self.raw()) }, "MatDescriptorDestroy")
+    }
+}
+
+/// Descriptors are destroyed by their owner, which also holds the library (`Drop` needs it).
+struct OwnedDescriptor {
+    desc: MatDescriptor,
+    destroy: unsafe extern "C" fn(*const Opaque) -> sys::Status,
+}
+
+impl Drop for OwnedDescriptor {
+    fn drop(&mut self) {
+        // SAFETY: initialized, destroyed once.
+        unsafe { (self.destroy)(self.desc.raw()) };
+    }
+}
+
+/// A weight compressed for cuSPARSELt: the device buffer lives in a cubecl handle owned by
+/// the caller; this records its size.
+pub struct CompressedSizes {
+    pub compressed: usize,
+    pub buffer: usize,
+}
+
+/// Size of the compressed form of `W'` and of the scratch buffer compression needs.
+pub fn compressed_sizes(lt: &LtHandle, desc: &MatDescriptor) -> Result<CompressedSizes> {
+    let (mut compressed, mut buffer) = (0usize, 0usize);
+    // SAFETY: valid handle and descriptor; outputs are plain integers.
+    let status = unsafe { (lt.lib.cusparseLtSpMMACompressedSize2)(lt.raw(), desc.raw(), &mut compressed, &mut buffer) };
+    lt.lib.check(status, "SpMMACompressedSize2")?;
+    Ok(CompressedSizes { compressed, buffer })
+}
+
+/// Enqueues the 2:4 validity check of `W'` into the device int `d_valid` (0 = valid).
+///
+/// # Safety
+/// `d_weight` and `d_valid` must be live device pointers of the sizes `desc` implies.
+pub unsafe fn prune_check(lt: &LtHandle, desc: &MatDescriptor, d_weight: u64, d_valid: u64, stream: Stream) -> Result<()> {
+    let status = unsafe {
+        (lt.lib.cusparseLtSpMMAPruneCheck2)(
+            lt.raw(),
+            desc.raw(),
+            1,
+            sys::OP_TRANSPOSE,
+            d_weight as *const c_void,
+            d_valid as *mut i32,
+            stream,
+        )
+    };
+    lt.lib.check(status, "SpMMAPruneCheck2")
+}
+
+/// Enqueues the compression of `W'`.
+///
+/// # Safety
+/// All pointers must be live device allocations of the sizes `compressed_sizes` gave.
+pub unsafe fn compress(
+    lt: &LtHandle,
+    desc: &MatDescriptor,
+    d_weight: u64,
+    d_compressed: u64,
+    d_buffer: u64,
+    stream: Stream,
+) -> Result<()> {
+    let status = unsafe {
+        (lt.lib.cusparseLtSpMMACompress2)(
+            lt.raw(),
+            desc.raw(),
+            1,
+            sys::OP_TRANSPOSE,
+            d_weight as *const c_void,
+            d_compressed as *mut c_void,
+            d_buffer as *mut c_void,
+            stream,
+        )
+    };
+    lt.lib.check(status, "SpMMACompress2")
+}
+
+/// Shape of one sparse GEMM: `D [m_pad, n_pad] = X' [m_pad, k'] . W'^T`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    pub m_pad: usize,
+    pub n_pad: usize,
+    pub k_prime: usize,
+    pub precision: Precision,
+}
+
+/// A ready matmul plan with its descriptors; built once per shape and reused.
+pub struct SparsePlan {
+    plan: Box<Opaque>,
+    alg: Box<Opaque>,
+    matmul: Box<Opaque>,
+    _descs: [OwnedDescriptor; 3],
+    pub workspace: usize,
+    pub config_id: i32,
+    destroy_plan: unsafe extern "C" fn(*const Opaque) -> sys::Status,
+    destroy_alg: unsafe extern "C" fn(*const Opaque) -> sys::Status,
+}
+
+// SAFETY: plans are only used under the device state's mutex.
+unsafe impl Send for SparsePlan {}
+
+impl SparsePlan {
+    /// Descriptors, matmul descriptor, algorithm selection (with `config_id` if given) and plan.
+    pub fn new(lt: &LtHandle, shape: GemmShape, config_id: Option<i32>) -> Result<Self> {
+        let (input, output, compute) = types_of(shape.precision);
+        let own = |desc| OwnedDescriptor {
+            desc,
+            destroy: lt.lib.cusparseLtMatDescriptorDestroy,
+        };
+        let weight = own(MatDescriptor::structured(lt, shape.k_prime, shape.n_pad, shape.precision)?);
+        let act = own(MatDescriptor::dense(lt, shape.k_prime, shape.m_pad, input)?);
+        let out = own(MatDescriptor::dense(lt, shape.n_pad, shape.m_pad, output)?);
+        let mut matmul = Opaque::boxed();
+        let lib = &lt.lib;
+        // SAFETY: all descriptors are initialized and outlive the matmul descriptor (they
+        // are stored in the plan).
+        unsafe {
+            lib.check(
+                (lib.cusparseLtMatmulDescriptorInit)(
+                    lt.raw(),
+                    &mut *matmul,
+                    sys::OP_TRANSPOSE,
+                    sys::OP_NON_TRANSPOSE,
+                    weight.desc.raw(),
+                    act.desc.raw(),
+                    out.desc.raw(),
+                    out.desc.raw(),
+                    compute,
+                ),
+                "MatmulDescriptorInit",
+            )?;
+        }
+        let mut alg = Opaque::boxed();
+        // SAFETY: as above.
+        unsafe {
+            lib.check(
+                (lib.cusparseLtMatmulAlgSelectionInit)(lt.raw(), &mut *alg, &*matmul, sys::ALG_DEFAULT),
+                "MatmulAlgSelectionInit",
+            )?;
+        }
+        if let Some(id) = config_id {
+            // SAFETY: `id` is an i32 as the attribute requires.
+            let status = unsafe {
+                (lib.cusparseLtMatmulAlgSetAttribute)(
+                    lt.raw(),
+                    &mut *alg,
+                    sys::ALG_CONFIG_ID,
+                    &id as *const i32 as *const c_void,
+                    4,
+                )
+            };
+            lib.check(status, "MatmulAlgSetAttribute(CONFIG_ID)")?;
+        }
+        let mut plan = Opaque::boxed();
+        let mut workspace = 0usize;
+        // SAFETY: as above.
+        unsafe {
+            lib.check((lib.cusparseLtMatmulPlanInit)(lt.raw(), &mut *plan, &*matmul, &*alg), "MatmulPlanInit")?;
+            lib.check((lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*plan, &mut workspace), "MatmulGetWorkspace")?;
+        }
+        let mut this = Self {
+            plan,
+            alg,
+            matmul,
+            _descs: [weight, act, out],
+            workspace,
+            config_id: config_id.unwrap_or(0),
+            destroy_plan: lib.cusparseLtMatmulPlanDestroy,
+            destroy_alg: lib.cusparseLtMatmulAlgSelectionDestroy,
+        };
+        this.config_id = this.read_config_id(lt)?;
+        Ok(this)
+    }
+
+    fn read_config_id(&self, lt: &LtHandle) -> Result<i32> {
+        let mut id = 0i32;
+        // SAFETY: valid selection; output is an i32.
+        let status = unsafe {
+            (lt.lib.cusparseLtMatmulAlgGetAttribute)(
+                lt.raw(),
+                &*self.alg,
+                sys::ALG_CONFIG_ID,
+                &mut id as *mut i32 as *mut c_void,
+                4,
+            )
+        };
+        lt.lib.check(status, "MatmulAlgGetAttribute(CONFIG_ID)")?;
+        Ok(id)
+    }
+
+    /// Enqueues `D = W'^T-product` on `stream`.
+    ///
+    /// # Safety
+    /// Pointers must be live device buffers of this plan's shapes; `workspace` at least
+    /// `self.workspace` bytes (or 0 when that is 0).
+    pub unsafe fn run(
+        &self,
+        lt: &LtHandle,
+        d_weight_compressed: u64,
+        d_act: u64,
+        d_out: u64,
+        d_workspace: u64,
+        stream: Stream,
+    ) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut streams = [stream];
+        let status = unsafe {
+            (lt.lib.cusparseLtMatmul)(
+                lt.raw(),
+                &*self.plan,
+                &alpha as *const f32 as *const c_void,
+                d_weight_compressed as *const c_void,
+                d_act as *const c_void,
+                &beta as *const f32 as *const c_void,
+                d_out as *const c_void,
+                d_out as *mut c_void,
+                d_workspace as *mut c_void,
+                streams.as_mut_ptr(),
+                1,
+            )
+        };
+        lt.lib.check(status, "Matmul")
+    }
+
+    /// Times every algorithm on the given buffers (blocking), keeps the fastest in the plan
+    /// and returns its configuration id.
+    ///
+    /// # Safety
+    /// As for [`run`](Self::run).
+    pub unsafe fn search(
+        &mut self,
+        lt: &LtHandle,
+        d_weight_compressed: u64,
+        d_act: u64,
+        d_out: u64,
+        d_workspace: u64,
+        stream: Stream,
+    ) -> Result<i32> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut streams = [stream];
+        let status = unsafe {
+            (lt.lib.cusparseLtMatmulSearch)(
+                lt.raw(),
+                &mut *self.plan,
+                &alpha as *const f32 as *const c_void,
+                d_weight_compressed as *const c_void,
+                d_act as *const c_void,
+                &beta as *const f32 as *const c_void,
+                d_out as *const c_void,
+                d_out as *mut c_void,
+                d_workspace as *mut c_void,
+                streams.as_mut_ptr(),
+                1,
+            )
+        };
+        lt.lib.check(status, "MatmulSearch")?;
+        self.config_id = self.read_config_id(lt)?;
+        // The winner may need a different workspace; the caller re-reads it.
+        unsafe {
+            lt.lib.check((lt.lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*self.plan, &mut self.workspace), "MatmulGetWorkspace")?;
+        }
+        Ok(self.config_id)
+    }
+}
+
+impl Drop for SparsePlan {
+    fn drop(&mut self) {
+        // SAFETY: initialized in `new`; destroyed once, plan before its selection, and the
+        // descriptors (fields) after both.
+        unsafe {
+            (self.destroy_plan)(&*self.plan);
+            (self.destroy_alg)(&*self.alg);
+        }
+        let _ = &self.matmul;
+    }
+}

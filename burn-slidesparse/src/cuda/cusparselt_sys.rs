@@ -1,0 +1,184 @@
+//! Hand-written cuSPARSELt bindings (0.8 / 0.10 C ABI), loaded at run time with `libloading`
+//! so that nothing links against the library at build time (CI has no CUDA libraries).
+//!
+//! Only the calls SlideSparse needs are bound. Enum values follow `cusparseLt.h` and
+//! `library_types.h`; see `shared/docs/cusparselt.md`.
+
+#![allow(non_camel_case_types, non_snake_case)]
+
+use std::{
+    ffi::{CStr, c_char, c_int, c_void},
+    path::PathBuf,
+};
+
+use libloading::Library;
+
+use crate::error::{Result, SlideSparseError};
+
+/// `cusparseStatus_t`.
+pub type Status = c_int;
+/// `cudaStream_t`.
+pub type Stream = *mut c_void;
+
+/// The opaque cuSPARSELt structs: `struct { alignas(16) uint8_t data[512]; }` in 0.8-0.10.
+/// We allocate twice the size to stay safe with future versions.
+#[repr(C, align(16))]
+pub struct Opaque(pub [u8; 1024]);
+
+impl Opaque {
+    /// A zeroed, boxed opaque struct (boxed so it never moves after init).
+    pub fn boxed() -> Box<Self> {
+        Box::new(Opaque([0; 1024]))
+    }
+}
+
+/// `cudaDataType` values.
+pub mod data_type {
+    pub const R_32F: i32 = 0;
+    pub const R_16F: i32 = 2;
+    pub const R_8I: i32 = 3;
+    pub const R_32I: i32 = 10;
+    pub const R_16BF: i32 = 14;
+    pub const R_8F_E4M3: i32 = 28;
+}
+
+/// `cusparseComputeType`.
+pub mod compute {
+    pub const C32I: i32 = 0;
+    pub const C32F: i32 = 2;
+}
+
+pub const ORDER_COL: i32 = 1;
+pub const OP_NON_TRANSPOSE: i32 = 0;
+pub const OP_TRANSPOSE: i32 = 1;
+pub const SPARSITY_50_PERCENT: i32 = 0;
+pub const ALG_DEFAULT: i32 = 0;
+pub const ALG_CONFIG_ID: i32 = 0;
+pub const ALG_CONFIG_MAX_ID: i32 = 1;
+
+type H = *const Opaque;
+type M = *mut Opaque;
+
+macro_rules! bindings {
+    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
+        /// The loaded library and its entry points.
+        pub struct CusparseLt {
+            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
+            /// Where the library was found.
+            pub path: PathBuf,
+            _lib: Library,
+        }
+
+        impl CusparseLt {
+            fn from_library(lib: Library, path: PathBuf) -> std::result::Result<Self, String> {
+                // SAFETY: each symbol is looked up by its exact C name and given the
+                // signature of `cusparseLt.h`; the library outlives the pointers (`_lib`).
+                unsafe {
+                    Ok(Self {
+                        $($name: *lib
+                            .get(concat!(stringify!($name), "\0").as_bytes())
+                            .map_err(|e| format!("{}: {e}", stringify!($name)))?,)*
+                        path,
+                        _lib: lib,
+                    })
+                }
+            }
+        }
+    };
+}
+
+bindings! {
+    cusparseLtInit: fn(M) -> Status;
+    cusparseLtDestroy: fn(H) -> Status;
+    cusparseLtGetVersion: fn(H, *mut c_int) -> Status;
+    cusparseLtGetErrorString: fn(Status) -> *const c_char;
+    cusparseLtDenseDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32) -> Status;
+    cusparseLtStructuredDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32, i32) -> Status;
+    cusparseLtMatDescriptorDestroy: fn(H) -> Status;
+    cusparseLtMatmulDescriptorInit: fn(H, M, i32, i32, H, H, H, H, i32) -> Status;
+    cusparseLtMatmulAlgSelectionInit: fn(H, M, H, i32) -> Status;
+    cusparseLtMatmulAlgSelectionDestroy: fn(H) -> Status;
+    cusparseLtMatmulAlgSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;
+    cusparseLtMatmulAlgGetAttribute: fn(H, H, i32, *mut c_void, usize) -> Status;
+    cusparseLtMatmulPlanInit: fn(H, M, H, H) -> Status;
+    cusparseLtMatmulPlanDestroy: fn(H) -> Status;
+    cusparseLtMatmulGetWorkspace: fn(H, H, *mut usize) -> Status;
+    cusparseLtMatmul: fn(H, H, *const c_void, *const c_void, *const c_void, *const c_void, *const c_void, *mut c_void, *mut c_void, *mut Stream, i32) -> Status;
+    cusparseLtMatmulSearch: fn(H, M, *const c_void, *const c_void, *const c_void, *const c_void, *const c_void, *mut c_void, *mut c_void, *mut Stream, i32) -> Status;
+    cusparseLtSpMMAPruneCheck2: fn(H, H, c_int, i32, *const c_void, *mut c_int, Stream) -> Status;
+    cusparseLtSpMMACompressedSize2: fn(H, H, *mut usize, *mut usize) -> Status;
+    cusparseLtSpMMACompress2: fn(H, H, c_int, i32, *const c_void, *mut c_void, *mut c_void, Stream) -> Status;
+}
+
+/// File name of the library on Linux.
+const LIBRARY_NAME: &str = "libcusparseLt.so.0";
+
+/// Places to look for the library, in order: `SLIDESPARSE_CUSPARSELT` (a file), the loader
+/// path (bare name), then the pip wheels' folders under every `site-packages` we can guess.
+pub fn candidate_paths() -> Vec<PathBuf> {
+    let mut paths = Vec::new();
+    if let Some(p) = std::env::var_os("SLIDESPARSE_CUSPARSELT") {
+        paths.push(PathBuf::from(p));
+    }
+    paths.push(PathBuf::from(LIBRARY_NAME));
+    let mut roots: Vec<PathBuf> = Vec::new();
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(v) = std::env::var_os(var) {
+            roots.push(PathBuf::from(v));
+        }
+    }
+    roots.extend(["/opt/torch/.venv", "/usr/local", "/usr"].map(PathBuf::from));
+    if let Some(home) = std::env::var_os("HOME") {
+        roots.push(PathBuf::from(home).join(".local"));
+    }
+    for root in roots {
+        for py in ["python3.10", "python3.11", "python3.12", "python3.13", "python3.14"] {
+            for pkgs in ["site-packages", "dist-packages"] {
+                let base = root.join("lib").join(py).join(pkgs).join("nvidia");
+                paths.push(base.join("cusparselt/lib").join(LIBRARY_NAME));
+                paths.push(base.join("cu13/lib").join(LIBRARY_NAME));
+            }
+        }
+    }
+    paths
+}
+
+impl CusparseLt {
+    /// Loads the first library that opens and exports every entry point.
+    pub fn load() -> Result<Self> {
+        let mut tried = Vec::new();
+        for path in candidate_paths() {
+            if path.components().count() > 1 && !path.exists() {
+                continue;
+            }
+            // SAFETY: loading a shared library runs its initializers; cuSPARSELt's are the
+            // vendor's and have no preconditions.
+            match unsafe { Library::new(&path) } {
+                Ok(lib) => match Self::from_library(lib, path.clone()) {
+                    Ok(loaded) => return Ok(loaded),
+                    Err(missing) => tried.push(format!("{} (missing symbol {missing})", path.display())),
+                },
+                Err(e) => tried.push(format!("{} ({e})", path.display())),
+            }
+        }
+        Err(SlideSparseError::Backend(format!(
+            "cuSPARSELt (libcusparseLt.so.0, >= 0.8) not found. Install it (pip install \
+             nvidia-cusparselt-cu13, or NVIDIA's package) and/or set SLIDESPARSE_CUSPARSELT to \
+             the library file. Tried: {}",
+            if tried.is_empty() { "nothing that exists".to_string() } else { tried.join("; ") }
+        )))
+    }
+
+    /// Turns a status into a result carrying `cusparseLtGetErrorString`.
+    pub fn check(&self, status: Status, call: &str) -> Result<()> {
+        if status == 0 {
+            return Ok(());
+        }
+        // SAFETY: the library returns a static NUL-terminated string for any status.
+        let text = unsafe {
+            let p = (self.cusparseLtGetErrorString)(status);
+            if p.is_null() { "unknown error".into() } else { CStr::from_ptr(p).to_string_lossy() }
+        };
+        Err(SlideSparseError::Backend(format!("cuSPARSELt {call} failed with status {status}: {text}")))
+    }
+}

@@ -1,0 +1,105 @@
+//! Per-device GPU state: the cuSPARSELt handle, our CUDA stream, the plan cache, the
+//! workspace and the algorithm cache. One per device, behind a mutex: cuSPARSELt calls on
+//! a handle are serialized through it.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, OnceLock},
+};
+
+use cudarc::driver::{result as cu, sys};
+
+use super::{
+    algo_cache::AlgoCache,
+    cusparselt::{GemmShape, LtHandle, SparsePlan},
+};
+use crate::error::{Result, SlideSparseError};
+
+/// Everything SlideSparse keeps per CUDA device.
+pub struct DeviceState {
+    pub lt: LtHandle,
+    /// Our stream for cuSPARSELt (cubecl's stream is not exposed).
+    pub stream: sys::CUstream,
+    pub context: sys::CUcontext,
+    pub gpu_name: String,
+    pub plans: HashMap<GemmShape, SparsePlan>,
+    pub algos: AlgoCache,
+}
+
+// SAFETY: the raw stream/context pointers are only used while holding the state's mutex,
+// with the context made current on the calling thread first.
+unsafe impl Send for DeviceState {}
+
+fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> SlideSparseError + '_ {
+    move |e| SlideSparseError::Backend(format!("CUDA driver: {what}: {e:?}"))
+}
+
+impl DeviceState {
+    fn new(index: usize) -> Result<Self> {
+        cu::init().map_err(driver_err("cuInit"))?;
+        let device = cu::device::get(index as i32).map_err(driver_err("cuDeviceGet"))?;
+        // SAFETY: `device` is valid; the primary context is the one cubecl-cuda uses.
+        let context = unsafe { cu::primary_ctx::retain(device) }.map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: `context` was just retained.
+        unsafe { cu::ctx::set_current(context) }.map_err(driver_err("cuCtxSetCurrent"))?;
+        let gpu_name = cu::device::get_name(device).unwrap_or_else(|_| format!("cuda:{index}"));
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))?;
+        let lt = LtHandle::new()?;
+        Ok(Self {
+            lt,
+            stream,
+            context,
+            gpu_name,
+            plans: HashMap::new(),
+            algos: AlgoCache::open(),
+        })
+    }
+
+    /// Makes the device's context current on this thread (cheap; needed because burn may
+    /// call from any thread).
+    pub fn make_current(&self) -> Result<()> {
+        // SAFETY: the context is retained for the life of the process.
+        unsafe { cu::ctx::set_current(self.context) }.map_err(driver_err("cuCtxSetCurrent"))
+    }
+
+    /// Blocks until everything enqueued on our stream is done.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: our stream is valid.
+        unsafe { cu::stream::synchronize(self.stream) }.map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    /// The cached plan of a shape, built on first use with the remembered algorithm (if any).
+    pub fn plan(&mut self, shape: GemmShape) -> Result<&mut SparsePlan> {
+        if !self.plans.contains_key(&shape) {
+            let key = AlgoCache::key(&self.gpu_name, self.lt.version, &shape);
+            let plan = SparsePlan::new(&self.lt, shape, self.algos.get(&key))?;
+            self.plans.insert(shape, plan);
+        }
+        Ok(self.plans.get_mut(&shape).expect("inserted above"))
+    }
+
+    /// Whether a search result is wanted for this shape's bucket.
+    pub fn needs_search(&self, shape: &GemmShape) -> bool {
+        self.algos.search_enabled && self.algos.get(&AlgoCache::key(&self.gpu_name, self.lt.version, shape)).is_none()
+    }
+
+    /// Remembers a search result for this shape's bucket.
+    pub fn remember(&mut self, shape: &GemmShape, config_id: i32) {
+        let key = AlgoCache::key(&self.gpu_name, self.lt.version, shape);
+        self.algos.insert(key, config_id);
+    }
+}
+
+type States = Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>;
+
+/// The state of device `index`, created on first use.
+pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
+    static STATES: OnceLock<States> = OnceLock::new();
+    let mut states = STATES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(s) = states.get(&index) {
+        return Ok(s.clone());
+    }
+    let state = Arc::new(Mutex::new(DeviceState::new(index)?));
+    states.insert(index, state.clone());
+    Ok(state)
+}
