@@ -77,7 +77,7 @@ impl SparsityPattern {
 
 impl fmt::Display for SparsityPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.nonzeros(), self.block_len())
+        f.pad(&format!("{}:{}", self.nonzeros(), self.block_len()))
     }
 }
 

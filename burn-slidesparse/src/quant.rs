@@ -87,7 +87,7 @@ impl Precision {
 
 impl fmt::Display for Precision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+        f.pad(match self {
             Precision::Int8 => "int8",
             Precision::Fp8 => "fp8",
             Precision::Bf16 => "bf16",

@@ -60,7 +60,7 @@ fn quantize<Q: Scalar>(x: f32, scale: f32, #[comptime] mode: LiftMode) -> Q {
 /// `X [M, K]` (any float) -> `X' [M_pad, K']` codes (as 4-element vectors, one store per 2:4
 /// window) + `s_x [M_pad]` (1 for float modes).
 ///
-/// `n == 0` means no lift (dense baseline: `X'[m, o] = X[m, o]` for `o < K`); otherwise the
+/// `nan` must be `f32::NAN` (passed at run time, see below). `n == 0` means no lift (dense baseline: `X'[m, o] = X[m, o]` for `o < K`); otherwise the
 /// SlideSparse lift of pattern `(2n-2):2n`. `k_slide` is `K` for the dense baseline.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn quant_lift_kernel<F: Float, Q: Scalar>(
@@ -71,6 +71,7 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar>(
     k: u32,
     k_slide: u32,
     k_prime: u32,
+    nan: f32,
     #[comptime] n: u32,
     #[comptime] mode: LiftMode,
 ) {
@@ -110,7 +111,8 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar>(
         scale = f32::max(amax, ACTIVATION_EPS) / qmax;
     }
     if real_row && bad > 0.0 && quantized {
-        scale = f32::NAN;
+        // From the host: CubeCL 0.10 prints an `f32::NAN` literal as `NaN`, which NVRTC rejects.
+        scale = nan;
     }
     let mut divisor = 1.0f32;
     if row_ok {

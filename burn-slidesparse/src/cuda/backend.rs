@@ -27,6 +27,7 @@ use half::{bf16, f16};
 
 use super::{
     cusparselt::{self, GemmShape, MatDescriptor},
+    cusparselt_sys::Stream,
     state::{DeviceState, device_state},
 };
 use crate::{
@@ -35,7 +36,7 @@ use crate::{
     quant::Precision,
 };
 
-type Runtime = cubecl::cuda::CudaRuntime;
+pub(crate) type Runtime = cubecl::cuda::CudaRuntime;
 type Client = ComputeClient<Runtime>;
 
 /// A layer's weights on the GPU, compressed for cuSPARSELt.
@@ -74,14 +75,14 @@ fn backend_err(what: impl std::fmt::Display) -> SlideSparseError {
     SlideSparseError::Backend(what.to_string())
 }
 
-fn ptr(client: &Client, handle: &Handle) -> Result<u64> {
+pub(crate) fn ptr(client: &Client, handle: &Handle) -> Result<u64> {
     let resource = client
         .get_resource(handle.clone())
         .map_err(|e| backend_err(format!("cubecl get_resource: {e:?}")))?;
     Ok(resource.resource().ptr)
 }
 
-fn sync_burn_stream(client: &Client) -> Result<()> {
+pub(crate) fn sync_burn_stream(client: &Client) -> Result<()> {
     cubecl::future::block_on(client.sync()).map_err(|e| backend_err(format!("cubecl sync: {e:?}")))
 }
 
@@ -143,7 +144,8 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     let sizes = cusparselt::compressed_sizes(&guard.lt, &desc)?;
     let compressed = client.empty(sizes.compressed.max(16));
     let buffer = client.empty(sizes.buffer.max(16));
-    let valid = client.create_from_slice(&[0xAB; 4]);
+    // Zeroed: cuSPARSELt sets it to nonzero on a violation.
+    let valid = client.create_from_slice(&[0; 4]);
     let (p_dense, p_comp, p_buf, p_valid) =
         (ptr(&client, &dense)?, ptr(&client, &compressed)?, ptr(&client, &buffer)?, ptr(&client, &valid)?);
     sync_burn_stream(&client)?; // uploads done before our stream reads them
@@ -218,7 +220,7 @@ pub fn launch_quant_lift<F: FloatElement>(
         macro_rules! go {
             ($q:ty) => {
                 quant_lift_kernel::launch_unchecked::<F, $q, Runtime>(
-                    client, count, dim, addr, x_arg, out, s, scalars.0, scalars.1, scalars.2, scalars.3, n, mode,
+                    client, count, dim, addr, x_arg, out, s, scalars.0, scalars.1, scalars.2, scalars.3, f32::NAN, n, mode,
                 )
             };
         }
@@ -323,32 +325,35 @@ pub fn run_sparse_gemm(client: &Client, prepared: &CudaPrepared, codes: &Handle,
     };
     let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
     state.make_current()?;
+    let (p_w, p_x, p_acc) = (ptr(client, &prepared.compressed)?, ptr(client, codes)?, ptr(client, acc)?);
+    let stream = state.stream as Stream;
     let search = state.needs_search(&shape);
-    let workspace_bytes = state.plan(shape)?.workspace;
-    let workspace = client.empty(workspace_bytes.max(16) * if search { 4 } else { 1 });
-    let (p_w, p_x, p_acc, p_ws) =
-        (ptr(client, &prepared.compressed)?, ptr(client, codes)?, ptr(client, acc)?, ptr(client, &workspace)?);
+    let mut workspace_bytes = state.plan(shape)?.workspace;
     sync_burn_stream(client)?;
-    let stream = state.stream as cusparselt_stream;
-    let DeviceState { lt, plans, .. } = &mut *state;
-    let plan = plans.get_mut(&shape).expect("built above");
-    // SAFETY: all pointers are live cubecl allocations of this plan's shapes, held until the
-    // stream synchronization below.
-    unsafe {
-        if search {
-            let id = plan.search(lt, p_w, p_x, p_acc, p_ws, stream)?;
-            state.remember(&shape, id);
-        }
-        let plan = state.plans.get(&shape).expect("built above");
-        plan.run(&state.lt, p_w, p_x, p_acc, p_ws, stream)?;
+    if search {
+        // Search once per M bucket; candidates may need more workspace than the default.
+        let workspace = client.empty(SEARCH_WORKSPACE.max(workspace_bytes));
+        let p_ws = ptr(client, &workspace)?;
+        let DeviceState { lt, plans, .. } = &mut *state;
+        let plan = plans.get_mut(&shape).expect("built above");
+        // SAFETY: live cubecl allocations of this plan's shapes, held until the sync below.
+        let id = unsafe { plan.search(lt, p_w, p_x, p_acc, p_ws, stream)? };
+        workspace_bytes = plan.workspace;
+        state.synchronize()?;
+        state.remember(&shape, id);
     }
+    let workspace = client.empty(workspace_bytes.max(16));
+    let p_ws = ptr(client, &workspace)?;
+    let plan = state.plans.get(&shape).expect("built above");
+    // SAFETY: as above; the handles outlive the synchronization.
+    unsafe { plan.run(&state.lt, p_w, p_x, p_acc, p_ws, stream)? };
     state.synchronize()?;
     drop(workspace);
     Ok(())
 }
 
-#[allow(non_camel_case_types)]
-type cusparselt_stream = super::cusparselt_sys::Stream;
+/// Workspace offered to `MatmulSearch` (it tries every algorithm).
+const SEARCH_WORKSPACE: usize = 256 << 20;
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend for CubeBackend<Runtime, F, I, BT> {
     type Prepared = CudaPrepared;

@@ -3,7 +3,9 @@
 
 pub mod algo_cache;
 pub mod backend;
+pub mod cublaslt;
 pub mod cusparselt;
+pub mod dense;
 pub mod cusparselt_sys;
 pub mod state;
 

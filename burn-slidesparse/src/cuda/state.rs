@@ -11,6 +11,7 @@ use cudarc::driver::{result as cu, sys};
 
 use super::{
     algo_cache::AlgoCache,
+    cublaslt::DenseGemm,
     cusparselt::{GemmShape, LtHandle, SparsePlan},
 };
 use crate::error::{Result, SlideSparseError};
@@ -24,6 +25,8 @@ pub struct DeviceState {
     pub gpu_name: String,
     pub plans: HashMap<GemmShape, SparsePlan>,
     pub algos: AlgoCache,
+    /// cuBLASLt for the dense baseline, created on first use.
+    dense: Option<DenseGemm>,
 }
 
 // SAFETY: the raw stream/context pointers are only used while holding the state's mutex,
@@ -52,6 +55,7 @@ impl DeviceState {
             gpu_name,
             plans: HashMap::new(),
             algos: AlgoCache::open(),
+            dense: None,
         })
     }
 
@@ -76,6 +80,14 @@ impl DeviceState {
             self.plans.insert(shape, plan);
         }
         Ok(self.plans.get_mut(&shape).expect("inserted above"))
+    }
+
+    /// The dense-baseline GEMM of this device.
+    pub fn dense_gemm(&mut self) -> Result<&mut DenseGemm> {
+        if self.dense.is_none() {
+            self.dense = Some(DenseGemm::new()?);
+        }
+        Ok(self.dense.as_mut().expect("set above"))
     }
 
     /// Whether a search result is wanted for this shape's bucket.

@@ -1,0 +1,222 @@
+//! `slidesparse-bench layer`: whole layers, in one process, for each shape, M and precision:
+//! SlideSparse at every pattern, the dense layer with the identical pipeline (cuBLASLt), and
+//! burn's own bf16 `nn::Linear`; plus the stages alone (quant+lift, plain quant, epilogue)
+//! with their achieved bandwidth against a measured device copy.
+//!
+//! Every forward of the sync design ends in a host synchronization, so a layer is timed as
+//! wall time of `forward + device sync`, median of `--reps`, after warm-up, with inputs
+//! rotated beyond the 60 MB L2.
+
+use std::{collections::BTreeMap, time::Instant};
+
+use burn::{
+    nn::LinearConfig,
+    tensor::{Distribution, Tensor, backend::Backend},
+};
+use burn_cubecl::CubeBackend;
+use burn_slidesparse::{
+    PackOptions, Precision, SlideSparseLinear, SparsityPattern,
+    cuda::{
+        backend::{launch_epilogue, launch_quant_lift, m_pad},
+        dense::DenseLayerGpu,
+    },
+    pack_linear,
+    quant::quantize_weight,
+};
+use cubecl::{Runtime, cuda::CudaRuntime};
+use half::bf16;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use rayon::prelude::*;
+
+use super::{Args, model_shapes, parse_list};
+
+type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
+type GpuBf16 = CubeBackend<CudaRuntime, bf16, i32, u8>;
+
+fn random_weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
+    let mut w = vec![0f32; n * k];
+    w.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
+        let mut rng = StdRng::seed_from_u64(seed * 7919 + i as u64);
+        c.iter_mut().for_each(|v| *v = rng.random_range(-1.0f32..1.0));
+    });
+    w
+}
+
+/// Median wall milliseconds of `f(i)` followed by a device sync.
+fn median_ms<B: Backend>(device: &burn::tensor::Device<B>, warmup: usize, reps: usize, mut f: impl FnMut(usize)) -> f64 {
+    for i in 0..warmup {
+        f(i);
+    }
+    B::sync(device).unwrap();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|i| {
+            let start = Instant::now();
+            f(i);
+            B::sync(device).unwrap();
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn rotation(bytes: usize) -> usize {
+    120_000_000usize.div_ceil(bytes.max(1)).clamp(2, 8)
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), through burn.
+fn copy_bandwidth(device: &burn::tensor::Device<Gpu>) -> f64 {
+    let n = 256 << 20; // 1 GiB of f32
+    let x = Tensor::<Gpu, 1>::random([n], Distribution::Default, device);
+    let ms = median_ms::<Gpu>(device, 3, 20, |_| {
+        let _ = x.clone().add_scalar(1.0);
+    });
+    2.0 * 4.0 * n as f64 / (ms / 1e3)
+}
+
+pub fn layer_bench(args: &Args) {
+    let device = Default::default();
+    let client = CudaRuntime::client(&device);
+    let ms: Vec<usize> = parse_list(&args.m).iter().map(|v| v.parse().unwrap()).collect();
+    let precisions: Vec<Precision> = parse_list(&args.precisions).iter().map(|p| p.parse().unwrap()).collect();
+    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns).iter().map(|p| p.parse().unwrap()).collect();
+    let copy_bw = copy_bandwidth(&device);
+    println!("measured copy bandwidth (x + 1.0 over 1 GiB, read + write): {:.0} GB/s", copy_bw / 1e9);
+    let started = Instant::now();
+    // (model, precision, M) -> variant -> summed ms
+    let mut totals: BTreeMap<(String, String, usize), BTreeMap<String, f64>> = BTreeMap::new();
+    let mut stages = Vec::new();
+    for model in parse_list(&args.models) {
+        for (li, &(n, k)) in model_shapes(&model).iter().enumerate() {
+            let w = random_weight(n, k, li as u64 + 1);
+            let bf16_linear = LinearConfig::new(k, n).with_bias(false).init::<GpuBf16>(&device);
+            let mut layers: Vec<(Precision, DenseLayerGpu, Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>)> = Vec::new();
+            for &precision in &precisions {
+                let dense = DenseLayerGpu::new(&client, 0, &quantize_weight(&w, n, k, precision), None).unwrap();
+                let sparse = patterns
+                    .iter()
+                    .map(|&p| {
+                        let (packed, _, _) = pack_linear("w", &w, n, k, None, &PackOptions::new(p, precision)).unwrap();
+                        let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
+                        layer.prepared().unwrap();
+                        (p, layer)
+                    })
+                    .collect();
+                layers.push((precision, dense, sparse));
+            }
+            for &m in &ms {
+                let rot = rotation(m * k * 4);
+                let xs: Vec<Tensor<Gpu, 2>> = (0..rot).map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device)).collect();
+                let xb: Vec<Tensor<GpuBf16, 2>> = (0..rot).map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device)).collect();
+                let bf16_ms = median_ms::<GpuBf16>(&device, 5, args.reps, |i| {
+                    let _ = bf16_linear.forward(xb[i % rot].clone());
+                });
+                for (precision, dense, sparse) in &layers {
+                    let key = (model.clone(), precision.to_string(), m);
+                    let entry = totals.entry(key).or_default();
+                    *entry.entry("burn bf16".into()).or_default() += bf16_ms;
+                    let prims: Vec<_> = xs.iter().map(|x| x.clone().into_primitive().tensor()).collect();
+                    let dense_ms = median_ms::<Gpu>(&device, 5, args.reps, |i| {
+                        let _ = dense.forward::<f32>(&prims[i % rot]).unwrap();
+                    });
+                    *entry.entry("dense".into()).or_default() += dense_ms;
+                    let mut line = format!("{model} {n}x{k} {precision} M={m}: bf16 {bf16_ms:.4} dense {dense_ms:.4}");
+                    for (pattern, layer) in sparse {
+                        let t = median_ms::<Gpu>(&device, 5, args.reps, |i| {
+                            let _ = layer.forward(xs[i % rot].clone());
+                        });
+                        *entry.entry(pattern.to_string()).or_default() += t;
+                        line += &format!(" {pattern} {t:.4}");
+                        if *pattern == SparsityPattern::P6_8 {
+                            stages.push(stage_times(&client, &device, &prims, *precision, *pattern, n, k, m, args.reps, copy_bw, &model));
+                        }
+                    }
+                    eprintln!("[{:>5.0}s] {line}", started.elapsed().as_secs_f64());
+                }
+            }
+        }
+    }
+    print_tables(&totals, &patterns, &stages);
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({
+            "copy_bandwidth_gbs": copy_bw / 1e9,
+            "layers": totals.iter().map(|((model, p, m), v)| serde_json::json!({"model": model, "precision": p, "m": m, "ms": v})).collect::<Vec<_>>(),
+            "stages": stages,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+    }
+}
+
+/// Times the memory-bound stages of one layer alone.
+#[allow(clippy::too_many_arguments)]
+fn stage_times(
+    client: &cubecl::client::ComputeClient<CudaRuntime>,
+    device: &burn::tensor::Device<Gpu>,
+    xs: &[burn_cubecl::tensor::CubeTensor<CudaRuntime>],
+    precision: Precision,
+    pattern: SparsityPattern,
+    n: usize,
+    k: usize,
+    m: usize,
+    reps: usize,
+    copy_bw: f64,
+    model: &str,
+) -> serde_json::Value {
+    let g = pattern.geometry(k, 64);
+    let mp = m_pad(m, precision);
+    let rot = xs.len();
+    let codes = client.empty(mp * g.k_prime());
+    let scales = client.empty(mp * 4);
+    let lift_ms = median_ms::<Gpu>(device, 3, reps, |i| {
+        launch_quant_lift::<f32>(client, &xs[i % rot].handle, &codes, &scales, (m, mp, k, g.k_slide(), g.k_prime()), g.n, precision).unwrap();
+    });
+    let plain_ms = median_ms::<Gpu>(device, 3, reps, |i| {
+        launch_quant_lift::<f32>(client, &xs[i % rot].handle, &codes, &scales, (m, mp, k, k, k.next_multiple_of(16)), 0, precision).unwrap();
+    });
+    let n_pad = n.next_multiple_of(32);
+    let acc = client.empty(mp * n_pad * 4);
+    let sw = client.empty(n * 4);
+    let out = client.empty(m * n * 4);
+    let epi_ms = median_ms::<Gpu>(device, 3, reps, |_| {
+        launch_epilogue::<f32>(client, &acc, &scales, &sw, None, &out, (m, mp, n, n_pad), precision).unwrap();
+    });
+    let lift_bytes = (m * k * 4 + mp * g.k_prime() + mp * 4) as f64;
+    let plain_bytes = (m * k * 4 + mp * k.next_multiple_of(16) + mp * 4) as f64;
+    let epi_bytes = (m * n * 4 + m * n * 4 + m * 4 + n * 4) as f64;
+    serde_json::json!({
+        "model": model, "shape": [n, k], "m": m, "precision": precision.to_string(), "pattern": pattern.to_string(),
+        "quant_lift_ms": lift_ms, "quant_lift_gbs": lift_bytes / (lift_ms / 1e3) / 1e9,
+        "plain_quant_ms": plain_ms, "plain_quant_gbs": plain_bytes / (plain_ms / 1e3) / 1e9,
+        "epilogue_ms": epi_ms, "epilogue_gbs": epi_bytes / (epi_ms / 1e3) / 1e9,
+        "copy_gbs": copy_bw / 1e9,
+    })
+}
+
+fn print_tables(
+    totals: &BTreeMap<(String, String, usize), BTreeMap<String, f64>>,
+    patterns: &[SparsityPattern],
+    stages: &[serde_json::Value],
+) {
+    let names: Vec<String> = patterns.iter().map(|p| p.to_string()).collect();
+    println!("\nWhole layers, summed over the block's 4 layers: ms, and speedup of each SlideSparse pattern vs the dense layer (same pipeline)");
+    println!("| model | precision | M | burn bf16 ms | dense ms | {} | {} |", names.iter().map(|n| format!("{n} ms")).collect::<Vec<_>>().join(" | "), names.iter().map(|n| format!("{n} x")).collect::<Vec<_>>().join(" | "));
+    println!("|---|---|---|---|---|{}", "---|".repeat(2 * names.len()));
+    for ((model, p, m), v) in totals {
+        let dense = v["dense"];
+        let ms: Vec<String> = names.iter().map(|n| format!("{:.3}", v[n])).collect();
+        let x: Vec<String> = names.iter().map(|n| format!("{:.2}", dense / v[n])).collect();
+        println!("| {model} | {p} | {m} | {:.3} | {dense:.3} | {} | {} |", v["burn bf16"], ms.join(" | "), x.join(" | "));
+    }
+    println!("\nStages alone (6:8): ms and achieved GB/s (bytes read + written)");
+    println!("| model | shape | precision | M | quant+lift ms | GB/s | plain quant ms | GB/s | epilogue ms | GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for s in stages {
+        println!(
+            "| {} | {}x{} | {} | {} | {:.4} | {:.0} | {:.4} | {:.0} | {:.4} | {:.0} |",
+            s["model"].as_str().unwrap(), s["shape"][0], s["shape"][1], s["precision"].as_str().unwrap(), s["m"],
+            s["quant_lift_ms"].as_f64().unwrap(), s["quant_lift_gbs"].as_f64().unwrap(),
+            s["plain_quant_ms"].as_f64().unwrap(), s["plain_quant_gbs"].as_f64().unwrap(),
+            s["epilogue_ms"].as_f64().unwrap(), s["epilogue_gbs"].as_f64().unwrap()
+        );
+    }
+}

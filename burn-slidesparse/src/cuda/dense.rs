@@ -1,0 +1,96 @@
+//! The dense baseline layer with the identical pipeline: the same quantization kernel without
+//! the lift, cuBLASLt dense GEMM at K, the same epilogue. Used to compare like with like.
+
+use std::sync::{Arc, Mutex};
+
+use burn_cubecl::{FloatElement, tensor::CubeTensor};
+use cubecl::{prelude::*, server::Handle};
+
+use super::{
+    backend::{Runtime, launch_epilogue, launch_quant_lift, m_pad, ptr, sync_burn_stream},
+    cublaslt::{DenseShape, WORKSPACE},
+    cusparselt,
+    state::{DeviceState, device_state},
+};
+use crate::{
+    error::{Result, SlideSparseError},
+    quant::{Precision, QuantizedWeight, WeightCodes},
+};
+
+/// A dense quantized layer on the GPU.
+#[derive(Clone)]
+pub struct DenseLayerGpu {
+    pub n: usize,
+    pub k: usize,
+    /// `K` rounded up to 16 (cuBLASLt's 8-bit alignment); the quant kernel zero-pads.
+    pub k_pad: usize,
+    pub precision: Precision,
+    weight: Handle,
+    scale: Handle,
+    bias: Option<Handle>,
+    state: Arc<Mutex<DeviceState>>,
+}
+
+impl DenseLayerGpu {
+    /// Uploads a quantized `[n, k]` weight (codes + per-row scales).
+    pub fn new(client: &ComputeClient<Runtime>, device_index: usize, weight: &QuantizedWeight, bias: Option<&[f32]>) -> Result<Self> {
+        let precision = weight.codes.precision();
+        if precision == Precision::F32 {
+            return Err(SlideSparseError::Backend("the dense GPU baseline supports int8, fp8, bf16 and f16".into()));
+        }
+        let (n, k) = (weight.rows, weight.cols);
+        let k_pad = k.next_multiple_of(16);
+        let elem = precision.element_bytes();
+        let src = weight.codes.to_le_bytes();
+        let mut bytes = vec![0u8; n * k_pad * elem];
+        for r in 0..n {
+            bytes[r * k_pad * elem..(r * k_pad + k) * elem].copy_from_slice(&src[r * k * elem..(r + 1) * k * elem]);
+        }
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>();
+        debug_assert!(!matches!(weight.codes, WeightCodes::F32(_)));
+        Ok(Self {
+            n,
+            k,
+            k_pad,
+            precision,
+            weight: client.create_from_slice(&bytes),
+            scale: client.create_from_slice(&f32_bytes(&weight.scales)),
+            bias: bias.map(|b| client.create_from_slice(&f32_bytes(b))),
+            state: device_state(device_index)?,
+        })
+    }
+
+    /// `Y [m, n]` for contiguous `X [m, k]`.
+    pub fn forward<F: FloatElement>(&self, x: &CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
+        let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
+        if k != self.k {
+            return Err(SlideSparseError::shape("dense layer input", self.k, k));
+        }
+        let client = x.client.clone();
+        let m_pad = m_pad(m, self.precision);
+        let codes = client.empty(m_pad * self.k_pad * self.precision.element_bytes());
+        let token_scales = client.empty(m_pad * 4);
+        let acc = client.empty(m_pad * self.n * cusparselt::output_bytes(self.precision));
+        let out = client.empty(m * self.n * core::mem::size_of::<F>());
+        launch_quant_lift::<F>(&client, &x.handle, &codes, &token_scales, (m, m_pad, k, k, self.k_pad), 0, self.precision)?;
+        {
+            let shape = DenseShape {
+                m_pad,
+                n: self.n,
+                k: self.k_pad,
+                precision: self.precision,
+            };
+            let workspace = client.empty(WORKSPACE);
+            let (p_w, p_x, p_acc, p_ws) = (ptr(&client, &self.weight)?, ptr(&client, &codes)?, ptr(&client, &acc)?, ptr(&client, &workspace)?);
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.make_current()?;
+            sync_burn_stream(&client)?;
+            let stream = state.stream as *mut std::ffi::c_void;
+            // SAFETY: live allocations of the shape's sizes, held until the sync below.
+            unsafe { state.dense_gemm()?.run(shape, p_w, p_x, p_acc, p_ws, stream)? };
+            state.synchronize()?;
+        }
+        launch_epilogue::<F>(&client, &acc, &token_scales, &self.scale, self.bias.as_ref(), &out, (m, m_pad, self.n, self.n), self.precision)?;
+        Ok(CubeTensor::new_contiguous(client, x.device.clone(), burn::tensor::Shape::new([m, self.n]), out, F::dtype()))
+    }
+}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
+# stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer] [extra bench args...]
+set -u
+OUT=${OUT:-/tmp/slidesparse-out}
+mkdir -p "$OUT"
+export CUDA_PATH=/usr/local/cuda
+# cuBLASLt and NVRTC; cuSPARSELt is found by the library's own search (pip location).
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export SLIDESPARSE_CACHE_DIR=${SLIDESPARSE_CACHE_DIR:-$OUT/cache}
+what=${1:-all}
+shift || true
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  ./gpu-bin/gpu-tests --ignored --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests exit code: $?"
+  grep -E "^test |test result|panicked|rel err|error" "$OUT/gpu-tests.log" | tail -30
+fi
+for mode in gemm layer; do
+  if [ "$what" = all ] || [ "$what" = $mode ]; then
+    ./gpu-bin/slidesparse-bench $mode --json "$OUT/$mode.json" "$@" > "$OUT/$mode.md" 2> "$OUT/$mode.err"
+    echo "$mode bench exit code: $?"
+    tail -3 "$OUT/$mode.err"
+    cat "$OUT/$mode.md"
+  fi
+done
