@@ -1,13 +1,14 @@
 //! The offline packer: prune -> quantize -> slide -> verify, for one linear layer.
 
 use cubecl_kernels::geometry::SlideGeometry;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
     prune::{self, PruneMethod},
-    quant::{Precision, QuantizedWeight, map_codes, quantize_weight, with_codes},
+    quant::{Precision, QuantizedWeight, WeightCodes, map_codes, quantize_weight, with_codes},
     slide::{self, SlideElement, SlideFailure, UnslideError},
 };
 
@@ -106,8 +107,9 @@ impl PackedLinear {
     }
 
     /// Structural checks: shapes, `K'` for the geometry, finite positive scales, every aligned
-    /// 4-wide window of `W'` with at most 2 nonzeros, and an exact un-slide.
-    pub fn validate(&self) -> Result<()> {
+    /// 4-wide window of `W'` with at most 2 nonzeros, and an exact un-slide, whose result
+    /// (the pruned, quantized `[out, K]` weight) it returns.
+    pub fn validate(&self) -> Result<QuantizedWeight> {
         let geometry = self.geometry();
         let (rows, cols) = (self.weight.rows, self.weight.cols);
         if cols != geometry.k_prime() {
@@ -166,14 +168,13 @@ impl PackedLinear {
                 nonzeros,
             });
         }
-        self.unslide().map(|_| ())
+        self.unslide()
     }
 
     /// [`validate`](Self::validate), then checks that un-sliding gives back `expected` (the
     /// pruned, quantized original) exactly, bit for bit up to the sign of zero.
     pub fn verify_against(&self, expected: &QuantizedWeight) -> Result<()> {
-        self.validate()?;
-        let back = self.unslide()?;
+        let back = self.validate()?;
         if (back.rows, back.cols) != (expected.rows, expected.cols) {
             return Err(SlideSparseError::shape(
                 format!("{}: original", self.name),
@@ -194,8 +195,24 @@ impl PackedLinear {
                 ),
             });
         }
-        let (a, b) = (back.codes.to_f32(), expected.codes.to_f32());
-        if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i] && !(a[i].is_nan() && b[i].is_nan())) {
+        if back.codes.precision() != expected.codes.precision() {
+            return Err(SlideSparseError::VerifyMismatch {
+                tensor: self.name.clone(),
+                row: 0,
+                column: 0,
+                detail: format!("precision {} != expected {}", back.codes.precision(), expected.codes.precision()),
+            });
+        }
+        let mismatch = match (&back.codes, &expected.codes) {
+            (WeightCodes::I8(a), WeightCodes::I8(b)) => first_mismatch(a, b),
+            (WeightCodes::Fp8(a), WeightCodes::Fp8(b)) => first_mismatch(a, b),
+            (WeightCodes::Bf16(a), WeightCodes::Bf16(b)) => first_mismatch(a, b),
+            (WeightCodes::F16(a), WeightCodes::F16(b)) => first_mismatch(a, b),
+            (WeightCodes::F32(a), WeightCodes::F32(b)) => first_mismatch(a, b),
+            _ => unreachable!("precisions compared above"),
+        };
+        if let Some(i) = mismatch {
+            let (a, b) = (back.codes.to_f32(), expected.codes.to_f32());
             return Err(SlideSparseError::VerifyMismatch {
                 tensor: self.name.clone(),
                 row: i / back.cols.max(1),
@@ -207,6 +224,13 @@ impl PackedLinear {
     }
 }
 
+/// First index where two code slices differ (zeros of either sign are equal).
+fn first_mismatch<T: SlideElement>(a: &[T], b: &[T]) -> Option<usize> {
+    (0..a.len())
+        .into_par_iter()
+        .find_first(|&i| !(a[i] == b[i] || (a[i].is_zero() && b[i].is_zero())))
+}
+
 fn unslide_matrix<T: SlideElement>(
     name: &str,
     slid: &[T],
@@ -215,30 +239,30 @@ fn unslide_matrix<T: SlideElement>(
 ) -> Result<Vec<T>> {
     let (k, kp) = (geometry.k, geometry.k_prime());
     let mut out = vec![T::ZERO; rows * k];
-    for r in 0..rows {
-        slide::unslide_row(
-            &slid[r * kp..(r + 1) * kp],
-            geometry,
-            &mut out[r * k..(r + 1) * k],
-        )
-        .map_err(|e| {
+    if k == 0 || kp == 0 {
+        return Ok(out);
+    }
+    let first_error = out
+        .par_chunks_mut(k)
+        .zip(slid.par_chunks(kp))
+        .enumerate()
+        .filter_map(|(r, (dst, src))| slide::unslide_row(src, geometry, dst).err().map(|e| (r, e)))
+        .min_by_key(|(r, _)| *r);
+    match first_error {
+        None => Ok(out),
+        Some((row, e)) => {
             let (column, what) = match e {
-                UnslideError::NonzeroInPadding { column } => {
-                    (column, "a nonzero in a padding column")
-                }
-                UnslideError::Collision { column } => {
-                    (column, "a second nonzero for the same source column")
-                }
+                UnslideError::NonzeroInPadding { column } => (column, "a nonzero in a padding column"),
+                UnslideError::Collision { column } => (column, "a second nonzero for the same source column"),
             };
-            SlideSparseError::VerifyMismatch {
+            Err(SlideSparseError::VerifyMismatch {
                 tensor: name.to_string(),
-                row: r,
+                row,
                 column,
                 detail: format!("W' is not a valid slide: {what}"),
-            }
-        })?;
+            })
+        }
     }
-    Ok(out)
 }
 
 /// What packing one layer kept and cost.

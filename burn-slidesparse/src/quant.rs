@@ -167,13 +167,13 @@ impl WeightCodes {
     /// Code values as f32 (before the scale): INT8 integers, decoded E4M3, or the float.
     pub fn to_f32(&self) -> Vec<f32> {
         match self {
-            WeightCodes::I8(v) => v.iter().map(|&q| q as f32).collect(),
+            WeightCodes::I8(v) => v.par_iter().map(|&q| q as f32).collect(),
             WeightCodes::Fp8(v) => {
                 let table = fp8::e4m3_decode_table();
-                v.iter().map(|&c| table[c as usize]).collect()
+                v.par_iter().map(|&c| table[c as usize]).collect()
             }
-            WeightCodes::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            WeightCodes::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            WeightCodes::Bf16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
+            WeightCodes::F16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
             WeightCodes::F32(v) => v.clone(),
         }
     }
@@ -232,9 +232,10 @@ impl QuantizedWeight {
     /// Dequantized values `code * scale`, row-major.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut values = self.codes.to_f32();
-        for (row, chunk) in values.chunks_mut(self.cols.max(1)).enumerate() {
-            chunk.iter_mut().for_each(|v| *v *= self.scales[row]);
-        }
+        values
+            .par_chunks_mut(self.cols.max(1))
+            .zip(&self.scales)
+            .for_each(|(chunk, s)| chunk.iter_mut().for_each(|v| *v *= s));
         values
     }
 }
@@ -261,25 +262,10 @@ pub fn quantize_weight(
             .collect(),
         None => vec![1.0; rows],
     };
-    let scale_of = |i: usize| scales[i / cols.max(1)];
     let codes = match precision {
-        Precision::Int8 => WeightCodes::I8(
-            values
-                .par_iter()
-                .enumerate()
-                .map(|(i, &v)| precision.quantize(v, scale_of(i)) as i8)
-                .collect(),
-        ),
-        Precision::Fp8 => WeightCodes::Fp8(
-            values
-                .par_iter()
-                .enumerate()
-                .map(|(i, &v)| canonical_fp8(fp8::f32_to_e4m3(v / scale_of(i))))
-                .collect(),
-        ),
-        Precision::Bf16 => {
-            WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect())
-        }
+        Precision::Int8 => WeightCodes::I8(map_rows(values, cols, &scales, |v, s| precision.quantize(v, s) as i8)),
+        Precision::Fp8 => WeightCodes::Fp8(map_rows(values, cols, &scales, |v, s| canonical_fp8(fp8::f32_to_e4m3(v / s)))),
+        Precision::Bf16 => WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect()),
         Precision::F16 => WeightCodes::F16(values.par_iter().map(|&v| f16::from_f32(v)).collect()),
         Precision::F32 => WeightCodes::F32(values.to_vec()),
     };
@@ -289,6 +275,19 @@ pub fn quantize_weight(
         codes,
         scales,
     }
+}
+
+/// Applies `f(value, row scale)` to every element, in parallel over rows.
+fn map_rows<T: Send + Default + Clone>(values: &[f32], cols: usize, scales: &[f32], f: impl Fn(f32, f32) -> T + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); values.len()];
+    if cols == 0 {
+        return out;
+    }
+    out.par_chunks_mut(cols)
+        .zip(values.par_chunks(cols))
+        .zip(scales)
+        .for_each(|((dst, src), &s)| dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f(v, s)));
+    out
 }
 
 /// `-0` (0x80) becomes `+0`: a negative zero has been seen to break 2:4 compressors.

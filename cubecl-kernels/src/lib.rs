@@ -5,6 +5,8 @@
 //! - `quant_lift` (feature `cubecl`): fused per-token quantization + lift, and the plain
 //!   per-token quantization of the dense baseline (the same kernel without the lift).
 //! - `epilogue` (feature `cubecl`): dequantization + bias.
+//! - `stream_sync` (feature `cubecl`): signal/wait kernels that order a foreign stream's
+//!   work (cuSPARSELt) with CubeCL's stream without host synchronization.
 //!
 //! This crate has no burn dependency: burn integration lives in `burn-slidesparse`.
 
@@ -13,5 +15,7 @@ pub mod epilogue;
 pub mod geometry;
 #[cfg(feature = "cubecl")]
 pub mod quant_lift;
+#[cfg(feature = "cubecl")]
+pub mod stream_sync;
 
 pub use geometry::{SlideGeometry, lift_source_unbounded};

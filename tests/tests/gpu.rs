@@ -165,3 +165,32 @@ fn quant_lift_kernel_is_bit_exact() {
         }
     }
 }
+
+/// The no-sync (flags) ordering and the host-sync ordering compute the same bits, over many
+/// back-to-back forwards (a race would show as a moving error).
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn flag_ordering_matches_host_ordering_bit_for_bit() {
+    use burn_slidesparse::cuda::{ordering::SyncMode, state::device_state};
+    let mut rng = rng(103);
+    let (m, k, n) = (333, 2048, 1024);
+    let w = random_f32(&mut rng, n * k);
+    let (packed, _, _) = pack_linear("w", &w, n, k, None, &PackOptions::new(SparsityPattern::P6_8, Precision::Int8)).unwrap();
+    let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &Default::default());
+    let xs: Vec<Tensor<Gpu, 2>> = (0..8)
+        .map(|_| Tensor::from_data(TensorData::new(random_f32(&mut rng, m * k), [m, k]), &Default::default()))
+        .collect();
+    let run = |mode| {
+        device_state(0).unwrap().lock().unwrap().sync_mode = mode;
+        // Queue everything first, read back at the end: no host sync between forwards.
+        let ys: Vec<_> = (0..32).map(|i| layer.forward(xs[i % 8].clone())).collect();
+        ys.into_iter().map(|y| y.into_data().into_vec::<f32>().unwrap()).collect::<Vec<_>>()
+    };
+    let host = run(SyncMode::Host);
+    let flags = run(SyncMode::Flags);
+    assert_eq!(host, flags);
+    // Repeated inputs give identical outputs (i and i + 8).
+    for i in 0..24 {
+        assert_eq!(flags[i], flags[i + 8]);
+    }
+}

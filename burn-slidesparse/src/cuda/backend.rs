@@ -28,6 +28,7 @@ use half::{bf16, f16};
 use super::{
     cusparselt::{self, GemmShape, MatDescriptor},
     cusparselt_sys::Stream,
+    ordering::run_ordered,
     state::{DeviceState, device_state},
 };
 use crate::{
@@ -301,7 +302,7 @@ fn forward_impl<F: FloatElement>(x: CubeTensor<Runtime>, prepared: &CudaPrepared
         geometry.n,
         precision,
     )?;
-    run_sparse_gemm(&client, prepared, &codes, &acc, m_pad)?;
+    run_sparse_gemm(&client, prepared, &codes, &acc, m_pad, (&token_scales, m_pad))?;
     launch_epilogue::<F>(
         &client,
         &acc,
@@ -315,8 +316,16 @@ fn forward_impl<F: FloatElement>(x: CubeTensor<Runtime>, prepared: &CudaPrepared
     Ok(CubeTensor::new_contiguous(client, x.device.clone(), Shape::new([m, n]), out, F::dtype()))
 }
 
-/// `acc = X' . W'^T` through cuSPARSELt on our stream, ordered after burn's kernels.
-pub fn run_sparse_gemm(client: &Client, prepared: &CudaPrepared, codes: &Handle, acc: &Handle, m_pad: usize) -> Result<()> {
+/// `acc = X' . W'^T` through cuSPARSELt on this thread's lane, ordered between burn's
+/// kernels (see `ordering.rs`); `poison` is NaN-filled if the GEMM never signals.
+pub fn run_sparse_gemm(
+    client: &Client,
+    prepared: &CudaPrepared,
+    codes: &Handle,
+    acc: &Handle,
+    m_pad: usize,
+    poison: (&Handle, usize),
+) -> Result<()> {
     let shape = GemmShape {
         m_pad,
         n_pad: prepared.n_pad,
@@ -326,29 +335,34 @@ pub fn run_sparse_gemm(client: &Client, prepared: &CudaPrepared, codes: &Handle,
     let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
     state.make_current()?;
     let (p_w, p_x, p_acc) = (ptr(client, &prepared.compressed)?, ptr(client, codes)?, ptr(client, acc)?);
-    let stream = state.stream as Stream;
-    let search = state.needs_search(&shape);
-    let mut workspace_bytes = state.plan(shape)?.workspace;
-    sync_burn_stream(client)?;
-    if search {
-        // Search once per M bucket; candidates may need more workspace than the default.
-        let workspace = client.empty(SEARCH_WORKSPACE.max(workspace_bytes));
-        let p_ws = ptr(client, &workspace)?;
-        let DeviceState { lt, plans, .. } = &mut *state;
-        let plan = plans.get_mut(&shape).expect("built above");
-        // SAFETY: live cubecl allocations of this plan's shapes, held until the sync below.
-        let id = unsafe { plan.search(lt, p_w, p_x, p_acc, p_ws, stream)? };
-        workspace_bytes = plan.workspace;
-        state.synchronize()?;
-        state.remember(&shape, id);
+    state.plan(shape)?;
+    if state.needs_search(&shape) {
+        search_once(client, &mut state, shape, (p_w, p_x, p_acc))?;
     }
-    let workspace = client.empty(workspace_bytes.max(16));
+    let DeviceState { lt, plans, lanes, sync_mode, .. } = &mut *state;
+    let plan = plans.get(&shape).expect("built above");
+    let lane = lanes.current(client)?;
+    let p_ws = lane.workspace(client, plan.workspace)?;
+    run_ordered(client, lane, *sync_mode, poison, |stream| {
+        // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's
+        // stream (which owns their reuse) behind the GEMM.
+        unsafe { plan.run(lt, p_w, p_x, p_acc, p_ws, stream as Stream) }
+    })
+}
+
+/// Runs `MatmulSearch` for a new M bucket (blocking, once) and remembers the winner.
+fn search_once(client: &Client, state: &mut DeviceState, shape: GemmShape, (p_w, p_x, p_acc): (u64, u64, u64)) -> Result<()> {
+    let workspace_bytes = state.plan(shape)?.workspace;
+    let workspace = client.empty(SEARCH_WORKSPACE.max(workspace_bytes));
     let p_ws = ptr(client, &workspace)?;
-    let plan = state.plans.get(&shape).expect("built above");
-    // SAFETY: as above; the handles outlive the synchronization.
-    unsafe { plan.run(&state.lt, p_w, p_x, p_acc, p_ws, stream)? };
+    sync_burn_stream(client)?;
+    let stream = state.stream as Stream;
+    let DeviceState { lt, plans, .. } = &mut *state;
+    let plan = plans.get_mut(&shape).expect("built above");
+    // SAFETY: live cubecl allocations of this plan's shapes, held until the sync below.
+    let id = unsafe { plan.search(lt, p_w, p_x, p_acc, p_ws, stream)? };
     state.synchronize()?;
-    drop(workspace);
+    state.remember(&shape, id);
     Ok(())
 }
 

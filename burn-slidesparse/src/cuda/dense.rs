@@ -7,7 +7,8 @@ use burn_cubecl::{FloatElement, tensor::CubeTensor};
 use cubecl::{prelude::*, server::Handle};
 
 use super::{
-    backend::{Runtime, launch_epilogue, launch_quant_lift, m_pad, ptr, sync_burn_stream},
+    backend::{Runtime, launch_epilogue, launch_quant_lift, m_pad, ptr},
+    ordering::run_ordered,
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt,
     state::{DeviceState, device_state},
@@ -80,15 +81,17 @@ impl DenseLayerGpu {
                 k: self.k_pad,
                 precision: self.precision,
             };
-            let workspace = client.empty(WORKSPACE);
-            let (p_w, p_x, p_acc, p_ws) = (ptr(&client, &self.weight)?, ptr(&client, &codes)?, ptr(&client, &acc)?, ptr(&client, &workspace)?);
+            let (p_w, p_x, p_acc) = (ptr(&client, &self.weight)?, ptr(&client, &codes)?, ptr(&client, &acc)?);
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
-            sync_burn_stream(&client)?;
-            let stream = state.stream as *mut std::ffi::c_void;
-            // SAFETY: live allocations of the shape's sizes, held until the sync below.
-            unsafe { state.dense_gemm()?.run(shape, p_w, p_x, p_acc, p_ws, stream)? };
-            state.synchronize()?;
+            state.dense_gemm()?;
+            let DeviceState { lanes, dense, sync_mode, .. } = &mut *state;
+            let (lane, gemm, mode) = (lanes.current(&client)?, dense.as_mut().expect("created above"), *sync_mode);
+            let p_ws = lane.workspace(&client, WORKSPACE)?;
+            run_ordered(&client, lane, mode, (&token_scales, m_pad), |stream| {
+                // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
+                unsafe { gemm.run(shape, p_w, p_x, p_acc, p_ws, stream as *mut std::ffi::c_void) }
+            })?;
         }
         launch_epilogue::<F>(&client, &acc, &token_scales, &self.scale, self.bias.as_ref(), &out, (m, m_pad, self.n, self.n), self.precision)?;
         Ok(CubeTensor::new_contiguous(client, x.device.clone(), burn::tensor::Shape::new([m, self.n]), out, F::dtype()))

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod cublaslt;
 pub mod cusparselt;
 pub mod dense;
+pub mod ordering;
 pub mod cusparselt_sys;
 pub mod state;
 

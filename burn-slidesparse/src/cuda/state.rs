@@ -12,6 +12,7 @@ use cudarc::driver::{result as cu, sys};
 use super::{
     algo_cache::AlgoCache,
     cublaslt::DenseGemm,
+    ordering::{Lanes, SyncMode},
     cusparselt::{GemmShape, LtHandle, SparsePlan},
 };
 use crate::error::{Result, SlideSparseError};
@@ -19,14 +20,18 @@ use crate::error::{Result, SlideSparseError};
 /// Everything SlideSparse keeps per CUDA device.
 pub struct DeviceState {
     pub lt: LtHandle,
-    /// Our stream for cuSPARSELt (cubecl's stream is not exposed).
+    /// A stream of ours for one-off work (weight compression, benchmarks); forwards use
+    /// per-thread lanes (`ordering.rs`).
     pub stream: sys::CUstream,
     pub context: sys::CUcontext,
     pub gpu_name: String,
     pub plans: HashMap<GemmShape, SparsePlan>,
     pub algos: AlgoCache,
-    /// cuBLASLt for the dense baseline, created on first use.
-    dense: Option<DenseGemm>,
+    /// cuBLASLt for the dense baseline, created on first use (`dense_gemm`).
+    pub dense: Option<DenseGemm>,
+    /// Per-thread streams and flags of the GEMM ordering.
+    pub lanes: Lanes,
+    pub sync_mode: SyncMode,
 }
 
 // SAFETY: the raw stream/context pointers are only used while holding the state's mutex,
@@ -56,6 +61,8 @@ impl DeviceState {
             plans: HashMap::new(),
             algos: AlgoCache::open(),
             dense: None,
+            lanes: Lanes::default(),
+            sync_mode: SyncMode::from_env(),
         })
     }
 
@@ -90,9 +97,15 @@ impl DeviceState {
         Ok(self.dense.as_mut().expect("set above"))
     }
 
-    /// Whether a search result is wanted for this shape's bucket.
+    /// Whether a search result is wanted for this shape's bucket. Only layer-sized GEMMs
+    /// are searched: on tiny shapes (N or K' below 1024) `MatmulSearch` of cuSPARSELt 0.8.0
+    /// was seen to fail with an internal error that left the context unusable (illegal
+    /// instruction), and the default algorithm is fine there.
     pub fn needs_search(&self, shape: &GemmShape) -> bool {
-        self.algos.search_enabled && self.algos.get(&AlgoCache::key(&self.gpu_name, self.lt.version, shape)).is_none()
+        self.algos.search_enabled
+            && shape.n_pad >= 1024
+            && shape.k_prime >= 1024
+            && self.algos.get(&AlgoCache::key(&self.gpu_name, self.lt.version, shape)).is_none()
     }
 
     /// Remembers a search result for this shape's bucket.

@@ -19,6 +19,8 @@ use burn_slidesparse::{
     cuda::{
         backend::{launch_epilogue, launch_quant_lift, m_pad},
         dense::DenseLayerGpu,
+        ordering::SyncMode,
+        state::device_state,
     },
     pack_linear,
     quant::quantize_weight,
@@ -86,6 +88,7 @@ pub fn layer_bench(args: &Args) {
     // (model, precision, M) -> variant -> summed ms
     let mut totals: BTreeMap<(String, String, usize), BTreeMap<String, f64>> = BTreeMap::new();
     let mut stages = Vec::new();
+    let mut decode = Vec::new();
     for model in parse_list(&args.models) {
         for (li, &(n, k)) in model_shapes(&model).iter().enumerate() {
             let w = random_weight(n, k, li as u64 + 1);
@@ -131,20 +134,79 @@ pub fn layer_bench(args: &Args) {
                             stages.push(stage_times(&client, &device, &prims, *precision, *pattern, n, k, m, args.reps, copy_bw, &model));
                         }
                     }
+                    if m <= 64 && *precision == Precision::Int8 {
+                        decode.push(sync_cost(&device, dense, sparse, &xs, &prims, args.reps, &model, n, k, m));
+                    }
                     eprintln!("[{:>5.0}s] {line}", started.elapsed().as_secs_f64());
                 }
             }
         }
     }
     print_tables(&totals, &patterns, &stages);
+    println!("\nOrdering designs at decode (INT8, per layer): wall ms per forward (+device sync), and host ms to enqueue one forward");
+    println!("| model | shape | M | dense flags | dense host-sync | 6:8 flags | 6:8 host-sync | 6:8 enqueue (host ms) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for d in &decode {
+        println!(
+            "| {} | {}x{} | {} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |",
+            d["model"].as_str().unwrap(), d["shape"][0], d["shape"][1], d["m"],
+            d["dense_flags_ms"].as_f64().unwrap(), d["dense_host_ms"].as_f64().unwrap(),
+            d["sparse_flags_ms"].as_f64().unwrap(), d["sparse_host_ms"].as_f64().unwrap(),
+            d["sparse_enqueue_ms"].as_f64().unwrap()
+        );
+    }
     if let Some(path) = &args.json {
         let json = serde_json::json!({
             "copy_bandwidth_gbs": copy_bw / 1e9,
             "layers": totals.iter().map(|((model, p, m), v)| serde_json::json!({"model": model, "precision": p, "m": m, "ms": v})).collect::<Vec<_>>(),
             "stages": stages,
+            "decode_sync_designs": decode,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
     }
+}
+
+/// Decode-time cost of the two ordering designs, and the host time to enqueue a forward.
+#[allow(clippy::too_many_arguments)]
+fn sync_cost(
+    device: &burn::tensor::Device<Gpu>,
+    dense: &DenseLayerGpu,
+    sparse: &[(SparsityPattern, SlideSparseLinear<Gpu>)],
+    xs: &[Tensor<Gpu, 2>],
+    prims: &[burn_cubecl::tensor::CubeTensor<CudaRuntime>],
+    reps: usize,
+    model: &str,
+    n: usize,
+    k: usize,
+    m: usize,
+) -> serde_json::Value {
+    let rot = xs.len();
+    let layer = &sparse.iter().find(|(p, _)| *p == SparsityPattern::P6_8).expect("6:8 benchmarked").1;
+    let state = device_state(0).unwrap();
+    let run = |mode: SyncMode| {
+        state.lock().unwrap().sync_mode = mode;
+        let d = median_ms::<Gpu>(device, 5, reps, |i| {
+            let _ = dense.forward::<f32>(&prims[i % rot]).unwrap();
+        });
+        let s = median_ms::<Gpu>(device, 5, reps, |i| {
+            let _ = layer.forward(xs[i % rot].clone());
+        });
+        (d, s)
+    };
+    let (dense_host, sparse_host) = run(SyncMode::Host);
+    let (dense_flags, sparse_flags) = run(SyncMode::Flags);
+    // Host time to enqueue one forward (flags mode): no device work is waited for.
+    let start = Instant::now();
+    for i in 0..reps {
+        let _ = layer.forward(xs[i % rot].clone());
+    }
+    let enqueue = start.elapsed().as_secs_f64() * 1e3 / reps as f64;
+    Gpu::sync(device).unwrap();
+    serde_json::json!({
+        "model": model, "shape": [n, k], "m": m,
+        "dense_flags_ms": dense_flags, "dense_host_ms": dense_host,
+        "sparse_flags_ms": sparse_flags, "sparse_host_ms": sparse_host, "sparse_enqueue_ms": enqueue,
+    })
 }
 
 /// Times the memory-bound stages of one layer alone.
