@@ -12,24 +12,50 @@ use burn_slidesparse::{
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("ROWS COLS")).collect();
-    let (rows, cols) = (*args.first().unwrap_or(&5632), *args.get(1).unwrap_or(&2048));
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("ROWS COLS"))
+        .collect();
+    let (rows, cols) = (
+        *args.first().unwrap_or(&5632),
+        *args.get(1).unwrap_or(&2048),
+    );
     let mut rng = StdRng::seed_from_u64(0);
-    let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
     let mb = (rows * cols * 4) as f64 / 1e6;
     let time = |name: &str, f: &mut dyn FnMut()| {
         let t = Instant::now();
         f();
         let s = t.elapsed().as_secs_f64();
-        println!("{name:<28} {:>8.1} ms  {:>8.0} MB/s (of f32 input)", s * 1e3, mb / s);
+        println!(
+            "{name:<28} {:>8.1} ms  {:>8.0} MB/s (of f32 input)",
+            s * 1e3,
+            mb / s
+        );
     };
     let mut pruned = Vec::new();
-    time("prune (magnitude)", &mut || pruned = prune("w", &w, rows, cols, options.pattern, &PruneMethod::Magnitude).unwrap());
+    time("prune (magnitude)", &mut || {
+        pruned = prune(
+            "w",
+            &w,
+            rows,
+            cols,
+            options.pattern,
+            &PruneMethod::Magnitude,
+        )
+        .unwrap()
+    });
     let mut q = None;
-    time("quantize (int8)", &mut || q = Some(quantize_weight(&pruned, rows, cols, Precision::Int8)));
+    time("quantize (int8)", &mut || {
+        q = Some(quantize_weight(&pruned, rows, cols, Precision::Int8))
+    });
     let mut packed = None;
-    time("pack_linear (all stages)", &mut || packed = Some(pack_linear("w", &w, rows, cols, None, &options).unwrap().0));
+    time("pack_linear (all stages)", &mut || {
+        packed = Some(pack_linear("w", &w, rows, cols, None, &options).unwrap().0)
+    });
     let packed = packed.unwrap();
     time("validate (2:4 + unslide)", &mut || {
         packed.validate().unwrap();

@@ -10,7 +10,9 @@ use burn::{
     record::{BinFileRecorder, FullPrecisionSettings},
     tensor::{Distribution, Tensor},
 };
-use burn_slidesparse::{PackOptions, Precision, SlideSparseLinear, SlideSparseLinearConfig, SparsityPattern};
+use burn_slidesparse::{
+    PackOptions, Precision, SlideSparseLinear, SlideSparseLinearConfig, SparsityPattern,
+};
 
 type B = NdArray;
 
@@ -27,11 +29,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let y_dense = dense.forward(x.clone());
 
     println!("pattern  precision  K'    rel. error vs dense");
-    for pattern in [SparsityPattern::P2_4, SparsityPattern::P6_8, SparsityPattern::P8_10] {
+    for pattern in [
+        SparsityPattern::P2_4,
+        SparsityPattern::P6_8,
+        SparsityPattern::P8_10,
+    ] {
         for precision in [Precision::F32, Precision::Int8, Precision::Fp8] {
-            let sparse = SlideSparseLinear::from_linear(&dense, &PackOptions::new(pattern, precision))?;
+            let sparse =
+                SlideSparseLinear::from_linear(&dense, &PackOptions::new(pattern, precision))?;
             let err = relative_error(sparse.forward(x.clone()), y_dense.clone());
-            println!("{pattern:<8} {precision:<10} {:<5} {err:.4}", sparse.spec.k_prime());
+            println!(
+                "{pattern:<8} {precision:<10} {:<5} {err:.4}",
+                sparse.spec.k_prime()
+            );
         }
     }
 
@@ -45,7 +55,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let loaded = SlideSparseLinearConfig::new(d_in, d_out, SparsityPattern::P6_8, Precision::Int8)
         .init::<B>(&device)
         .load_file(dir.join("layer"), &recorder, &device)?;
-    let same = loaded.forward(x.clone()).equal(sparse.forward(x)).all().into_scalar();
+    let same = loaded
+        .forward(x.clone())
+        .equal(sparse.forward(x))
+        .all()
+        .into_scalar();
     println!("record round trip reproduces the outputs exactly: {same}");
     assert!(same);
     Ok(())

@@ -200,7 +200,11 @@ impl PackedLinear {
                 tensor: self.name.clone(),
                 row: 0,
                 column: 0,
-                detail: format!("precision {} != expected {}", back.codes.precision(), expected.codes.precision()),
+                detail: format!(
+                    "precision {} != expected {}",
+                    back.codes.precision(),
+                    expected.codes.precision()
+                ),
             });
         }
         let mismatch = match (&back.codes, &expected.codes) {
@@ -252,8 +256,12 @@ fn unslide_matrix<T: SlideElement>(
         None => Ok(out),
         Some((row, e)) => {
             let (column, what) = match e {
-                UnslideError::NonzeroInPadding { column } => (column, "a nonzero in a padding column"),
-                UnslideError::Collision { column } => (column, "a second nonzero for the same source column"),
+                UnslideError::NonzeroInPadding { column } => {
+                    (column, "a nonzero in a padding column")
+                }
+                UnslideError::Collision { column } => {
+                    (column, "a second nonzero for the same source column")
+                }
             };
             Err(SlideSparseError::VerifyMismatch {
                 tensor: name.to_string(),

@@ -263,9 +263,15 @@ pub fn quantize_weight(
         None => vec![1.0; rows],
     };
     let codes = match precision {
-        Precision::Int8 => WeightCodes::I8(map_rows(values, cols, &scales, |v, s| precision.quantize(v, s) as i8)),
-        Precision::Fp8 => WeightCodes::Fp8(map_rows(values, cols, &scales, |v, s| canonical_fp8(fp8::f32_to_e4m3(v / s)))),
-        Precision::Bf16 => WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect()),
+        Precision::Int8 => WeightCodes::I8(map_rows(values, cols, &scales, |v, s| {
+            precision.quantize(v, s) as i8
+        })),
+        Precision::Fp8 => WeightCodes::Fp8(map_rows(values, cols, &scales, |v, s| {
+            canonical_fp8(fp8::f32_to_e4m3(v / s))
+        })),
+        Precision::Bf16 => {
+            WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect())
+        }
         Precision::F16 => WeightCodes::F16(values.par_iter().map(|&v| f16::from_f32(v)).collect()),
         Precision::F32 => WeightCodes::F32(values.to_vec()),
     };
@@ -278,7 +284,12 @@ pub fn quantize_weight(
 }
 
 /// Applies `f(value, row scale)` to every element, in parallel over rows.
-fn map_rows<T: Send + Default + Clone>(values: &[f32], cols: usize, scales: &[f32], f: impl Fn(f32, f32) -> T + Sync) -> Vec<T> {
+fn map_rows<T: Send + Default + Clone>(
+    values: &[f32],
+    cols: usize,
+    scales: &[f32],
+    f: impl Fn(f32, f32) -> T + Sync,
+) -> Vec<T> {
     let mut out = vec![T::default(); values.len()];
     if cols == 0 {
         return out;

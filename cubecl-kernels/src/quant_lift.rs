@@ -51,7 +51,11 @@ pub enum LiftMode {
 #[cube]
 fn quantize<Q: Scalar>(x: f32, scale: f32, #[comptime] mode: LiftMode) -> Q {
     match comptime!(mode) {
-        LiftMode::Int8 => Q::cast_from(i32::cast_from(f32::clamp(f32::round(x / scale), -127.0, 127.0))),
+        LiftMode::Int8 => Q::cast_from(i32::cast_from(f32::clamp(
+            f32::round(x / scale),
+            -127.0,
+            127.0,
+        ))),
         LiftMode::Fp8 => Q::cast_from(f32::clamp(x / scale, -448.0, 448.0)),
         LiftMode::Float => Q::cast_from(x),
     }

@@ -9,7 +9,9 @@ use burn::{
     tensor::{Tensor, TensorData},
 };
 use burn_cubecl::CubeBackend;
-use burn_slidesparse::{PackOptions, PackedLinear, Precision, SlideSparseLinear, SparsityPattern, pack_linear};
+use burn_slidesparse::{
+    PackOptions, PackedLinear, Precision, SlideSparseLinear, SparsityPattern, pack_linear,
+};
 use cubecl::{Runtime, cuda::CudaRuntime};
 use rand::Rng;
 use slidesparse_tests::{random_f32, rng};
@@ -36,12 +38,21 @@ fn run_both(packed: &PackedLinear, x: &[f32], shape: [usize; 2]) -> (Vec<f32>, V
     let xc = Tensor::<Cpu, 2>::from_data(TensorData::new(x.to_vec(), shape), &Default::default());
     let xg = Tensor::<Gpu, 2>::from_data(TensorData::new(x.to_vec(), shape), &Default::default());
     let yc = cpu.forward(xc).into_data().into_vec::<f32>().unwrap();
-    let yg = gpu.try_forward(xg).unwrap().into_data().into_vec::<f32>().unwrap();
+    let yg = gpu
+        .try_forward(xg)
+        .unwrap()
+        .into_data()
+        .into_vec::<f32>()
+        .unwrap();
     (yg, yc)
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }
@@ -60,7 +71,12 @@ fn gpu_matches_the_reference_for_every_pattern_precision_and_odd_shape() {
     ];
     let mut report = Vec::new();
     for pattern in patterns {
-        for precision in [Precision::Int8, Precision::Fp8, Precision::Bf16, Precision::F16] {
+        for precision in [
+            Precision::Int8,
+            Precision::Fp8,
+            Precision::Bf16,
+            Precision::F16,
+        ] {
             for (m, k, n) in [(1, 100, 50), (17, 576, 96), (1000, 1000, 200)] {
                 let with_bias = rng.random_bool(0.5);
                 let w = random_f32(&mut rng, n * k);
@@ -77,7 +93,9 @@ fn gpu_matches_the_reference_for_every_pattern_precision_and_odd_shape() {
                 let x = random_f32(&mut rng, m * k);
                 let (yg, yc) = run_both(&packed, &x, [m, k]);
                 let err = rel_err(&yg, &yc);
-                report.push(format!("{pattern} {precision} m={m} k={k} n={n} bias={with_bias}: {err:.2e}"));
+                report.push(format!(
+                    "{pattern} {precision} m={m} k={k} n={n} bias={with_bias}: {err:.2e}"
+                ));
                 assert!(err < tolerance(precision), "{}", report.last().unwrap());
             }
         }
@@ -91,7 +109,15 @@ fn gpu_rank3_large_m_and_nan_rows() {
     let mut rng = rng(101);
     let (k, n) = (512, 256);
     let w = random_f32(&mut rng, n * k);
-    let (packed, _, _) = pack_linear("w", &w, n, k, None, &PackOptions::new(SparsityPattern::P6_8, Precision::Int8)).unwrap();
+    let (packed, _, _) = pack_linear(
+        "w",
+        &w,
+        n,
+        k,
+        None,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+    )
+    .unwrap();
     // Large M.
     let m = 65536;
     let x = random_f32(&mut rng, m * k);
@@ -101,7 +127,10 @@ fn gpu_rank3_large_m_and_nan_rows() {
     assert!(err < 1e-3);
     // Rank 3.
     let gpu = SlideSparseLinear::<Gpu>::from_packed(&packed, &Default::default());
-    let x3 = Tensor::<Gpu, 3>::from_data(TensorData::new(random_f32(&mut rng, 2 * 5 * k), [2, 5, k]), &Default::default());
+    let x3 = Tensor::<Gpu, 3>::from_data(
+        TensorData::new(random_f32(&mut rng, 2 * 5 * k), [2, 5, k]),
+        &Default::default(),
+    );
     assert_eq!(gpu.forward(x3).dims(), [2, 5, n]);
     // NaN / Inf rows become NaN rows; the others stay finite.
     let mut x = random_f32(&mut rng, 4 * k);
@@ -132,11 +161,20 @@ fn quant_lift_kernel_is_bit_exact() {
             let m_pad = m.next_multiple_of(16);
             let mut x = random_f32(&mut rng, m * k);
             x.iter_mut().for_each(|v| *v *= 10.0);
-            let xh = client.create_from_slice(&x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+            let xh = client
+                .create_from_slice(&x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
             let codes = client.empty(m_pad * g.k_prime());
             let scales = client.empty(m_pad * 4);
-            launch_quant_lift::<f32>(&client, &xh, &codes, &scales, (m, m_pad, k, g.k_slide(), g.k_prime()), g.n, precision)
-                .unwrap();
+            launch_quant_lift::<f32>(
+                &client,
+                &xh,
+                &codes,
+                &scales,
+                (m, m_pad, k, g.k_slide(), g.k_prime()),
+                g.n,
+                precision,
+            )
+            .unwrap();
             let got = client.read_one(codes).unwrap().to_vec();
             let got_scales: Vec<f32> = client
                 .read_one(scales)
@@ -146,20 +184,38 @@ fn quant_lift_kernel_is_bit_exact() {
                 .collect();
             let qmax = precision.qmax().unwrap();
             for row in 0..m_pad {
-                let xr = if row < m { &x[row * k..(row + 1) * k] } else { &[][..] };
+                let xr = if row < m {
+                    &x[row * k..(row + 1) * k]
+                } else {
+                    &[][..]
+                };
                 let absmax = xr.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-                let s = if row < m { absmax.max(ACTIVATION_EPS) / qmax } else { 1.0 };
-                assert_eq!(got_scales[row].to_bits(), s.to_bits(), "{pattern} {precision} row {row}");
+                let s = if row < m {
+                    absmax.max(ACTIVATION_EPS) / qmax
+                } else {
+                    1.0
+                };
+                assert_eq!(
+                    got_scales[row].to_bits(),
+                    s.to_bits(),
+                    "{pattern} {precision} row {row}"
+                );
                 for o in 0..g.k_prime() {
                     let v = g.source(o).filter(|_| row < m).map_or(0.0, |src| xr[src]);
                     let expected = match precision {
-                        Precision::Int8 => (v / s).round_ties_even().clamp(-127.0, 127.0) as i8 as u8,
+                        Precision::Int8 => {
+                            (v / s).round_ties_even().clamp(-127.0, 127.0) as i8 as u8
+                        }
                         _ => fp8::f32_to_e4m3((v / s).clamp(-448.0, 448.0)),
                     };
                     let got = got[row * g.k_prime() + o];
                     // +0 and -0 are the same code value.
-                    let same = got == expected || (precision == Precision::Fp8 && (got | expected) & 0x7F == 0);
-                    assert!(same, "{pattern} {precision} row {row} col {o}: got {got:#x}, expected {expected:#x}");
+                    let same = got == expected
+                        || (precision == Precision::Fp8 && (got | expected) & 0x7F == 0);
+                    assert!(
+                        same,
+                        "{pattern} {precision} row {row} col {o}: got {got:#x}, expected {expected:#x}"
+                    );
                 }
             }
         }
@@ -175,16 +231,31 @@ fn flag_ordering_matches_host_ordering_bit_for_bit() {
     let mut rng = rng(103);
     let (m, k, n) = (333, 2048, 1024);
     let w = random_f32(&mut rng, n * k);
-    let (packed, _, _) = pack_linear("w", &w, n, k, None, &PackOptions::new(SparsityPattern::P6_8, Precision::Int8)).unwrap();
+    let (packed, _, _) = pack_linear(
+        "w",
+        &w,
+        n,
+        k,
+        None,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+    )
+    .unwrap();
     let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &Default::default());
     let xs: Vec<Tensor<Gpu, 2>> = (0..8)
-        .map(|_| Tensor::from_data(TensorData::new(random_f32(&mut rng, m * k), [m, k]), &Default::default()))
+        .map(|_| {
+            Tensor::from_data(
+                TensorData::new(random_f32(&mut rng, m * k), [m, k]),
+                &Default::default(),
+            )
+        })
         .collect();
     let run = |mode| {
         device_state(0).unwrap().lock().unwrap().sync_mode = mode;
         // Queue everything first, read back at the end: no host sync between forwards.
         let ys: Vec<_> = (0..32).map(|i| layer.forward(xs[i % 8].clone())).collect();
-        ys.into_iter().map(|y| y.into_data().into_vec::<f32>().unwrap()).collect::<Vec<_>>()
+        ys.into_iter()
+            .map(|y| y.into_data().into_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
     };
     let host = run(SyncMode::Host);
     let flags = run(SyncMode::Flags);

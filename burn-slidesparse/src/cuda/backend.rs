@@ -6,18 +6,20 @@
 //! 3. CubeCL `dequant_bias_kernel` on burn's stream: `Y [M, N]` in the layer's float dtype.
 //!
 //! Stream ordering. cubecl-cuda 0.10 runs kernels on a private per-thread stream that it
-//! does not expose, so cuSPARSELt runs on our own stream: before the GEMM we wait for burn's
-//! stream to drain (`client.sync()`), after it we wait for ours (`cuStreamSynchronize`).
-//! Both are host synchronizations: correct, and the cost is measured in
-//! `docs/benchmarks.md`. Buffers come from cubecl's memory pool and are kept alive (their
-//! handles held) until the GEMM has finished.
+//! does not expose, so cuSPARSELt runs on a stream of ours; `ordering.rs` keeps the GEMM
+//! between the quantization and the epilogue (host synchronizations by default, device
+//! flags as an opt-in). Buffers come from cubecl's memory pool; their reuse is ordered on
+//! burn's stream behind the GEMM.
 
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::{Shape, Tensor, TensorPrimitive};
-use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous, tensor::CubeTensor};
+use burn_cubecl::{
+    BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous, tensor::CubeTensor,
+};
 use cubecl::{
-    CubeCount, CubeDim, calculate_cube_count_elemwise, e4m3, ir::AddressType, prelude::*, server::Handle,
+    CubeCount, CubeDim, calculate_cube_count_elemwise, e4m3, ir::AddressType, prelude::*,
+    server::Handle,
 };
 use cubecl_kernels::{
     epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
@@ -63,12 +65,20 @@ impl std::fmt::Debug for CudaPrepared {
 
 /// Rows of the structured matrix must be a multiple of this (32 for 8-bit, 16 for 16-bit).
 fn n_multiple(precision: Precision) -> usize {
-    if precision.element_bytes() == 1 { 32 } else { 16 }
+    if precision.element_bytes() == 1 {
+        32
+    } else {
+        16
+    }
 }
 
 /// `M` padded for the dense operand (16 for 8-bit, 8 for 16-bit types).
 pub fn m_pad(m: usize, precision: Precision) -> usize {
-    let multiple = if precision.element_bytes() == 1 { 16 } else { 8 };
+    let multiple = if precision.element_bytes() == 1 {
+        16
+    } else {
+        8
+    };
     m.max(1).next_multiple_of(multiple)
 }
 
@@ -88,15 +98,27 @@ pub(crate) fn sync_burn_stream(client: &Client) -> Result<()> {
 }
 
 /// Little-endian bytes of `W'` padded to `n_pad` zero rows, in the GEMM input type.
-fn weight_bytes(values: &[f32], rows: usize, n_pad: usize, k_prime: usize, precision: Precision) -> Vec<u8> {
+fn weight_bytes(
+    values: &[f32],
+    rows: usize,
+    n_pad: usize,
+    k_prime: usize,
+    precision: Precision,
+) -> Vec<u8> {
     let mut codes: Vec<u8> = match precision {
         Precision::Int8 => values.iter().map(|&v| v as i8 as u8).collect(),
         Precision::Fp8 => values
             .iter()
             .map(|&v| crate::quant::canonical_fp8(crate::fp8::f32_to_e4m3(v)))
             .collect(),
-        Precision::Bf16 => values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
-        Precision::F16 => values.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+        Precision::Bf16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        Precision::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
         Precision::F32 => values.iter().flat_map(|&v| v.to_le_bytes()).collect(),
     };
     codes.resize(n_pad * k_prime * precision.element_bytes(), 0);
@@ -108,7 +130,9 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-fn host_f32<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>> {
+fn host_f32<B: burn::tensor::backend::Backend, const D: usize>(
+    t: Tensor<B, D>,
+) -> Result<Vec<f32>> {
     t.into_data()
         .convert::<f32>()
         .into_vec::<f32>()
@@ -129,9 +153,17 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     let primitive = weights.weight.clone().into_primitive().tensor();
     let (client, index) = (primitive.client.clone(), primitive.device.index);
     let k_prime = spec.k_prime();
-    let n_pad = spec.out_features.next_multiple_of(n_multiple(spec.precision));
+    let n_pad = spec
+        .out_features
+        .next_multiple_of(n_multiple(spec.precision));
     let values = host_f32(weights.weight)?;
-    let dense = client.create_from_slice(&weight_bytes(&values, spec.out_features, n_pad, k_prime, spec.precision));
+    let dense = client.create_from_slice(&weight_bytes(
+        &values,
+        spec.out_features,
+        n_pad,
+        k_prime,
+        spec.precision,
+    ));
     let scale = client.create_from_slice(&f32_bytes(&host_f32(weights.scale)?));
     let bias = match weights.bias {
         Some(b) => Some(client.create_from_slice(&f32_bytes(&host_f32(b)?))),
@@ -147,8 +179,12 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     let buffer = client.empty(sizes.buffer.max(16));
     // Zeroed: cuSPARSELt sets it to nonzero on a violation.
     let valid = client.create_from_slice(&[0; 4]);
-    let (p_dense, p_comp, p_buf, p_valid) =
-        (ptr(&client, &dense)?, ptr(&client, &compressed)?, ptr(&client, &buffer)?, ptr(&client, &valid)?);
+    let (p_dense, p_comp, p_buf, p_valid) = (
+        ptr(&client, &dense)?,
+        ptr(&client, &compressed)?,
+        ptr(&client, &buffer)?,
+        ptr(&client, &valid)?,
+    );
     sync_burn_stream(&client)?; // uploads done before our stream reads them
     // SAFETY: the pointers are live cubecl allocations of the sizes cuSPARSELt asked for; the
     // handles are held until after the synchronization below.
@@ -158,7 +194,9 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     }
     guard.synchronize()?;
     drop(desc_destroy(&guard, desc));
-    let flag = client.read_one(valid).map_err(|e| backend_err(format!("reading PruneCheck result: {e:?}")))?;
+    let flag = client
+        .read_one(valid)
+        .map_err(|e| backend_err(format!("reading PruneCheck result: {e:?}")))?;
     if flag[..4] != [0, 0, 0, 0] {
         return Err(SlideSparseError::WindowViolation {
             tensor: "SlideSparseLinear weight (cuSPARSELt PruneCheck)".into(),
@@ -192,7 +230,11 @@ fn lift_mode(precision: Precision) -> LiftMode {
 }
 
 fn address_type(bytes: usize) -> AddressType {
-    if bytes > (i32::MAX as usize) { AddressType::U64 } else { AddressType::U32 }
+    if bytes > (i32::MAX as usize) {
+        AddressType::U64
+    } else {
+        AddressType::U32
+    }
 }
 
 /// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
@@ -221,7 +263,20 @@ pub fn launch_quant_lift<F: FloatElement>(
         macro_rules! go {
             ($q:ty) => {
                 quant_lift_kernel::launch_unchecked::<F, $q, Runtime>(
-                    client, count, dim, addr, x_arg, out, s, scalars.0, scalars.1, scalars.2, scalars.3, f32::NAN, n, mode,
+                    client,
+                    count,
+                    dim,
+                    addr,
+                    x_arg,
+                    out,
+                    s,
+                    scalars.0,
+                    scalars.1,
+                    scalars.2,
+                    scalars.3,
+                    f32::NAN,
+                    n,
+                    mode,
                 )
             };
         }
@@ -265,7 +320,19 @@ pub fn launch_epilogue<F: FloatElement>(
         macro_rules! go {
             ($a:ty) => {
                 dequant_bias_kernel::launch_unchecked::<$a, F, Runtime>(
-                    client, count, dim, addr, acc_arg, sx, sw, b, y, dims.0, dims.1, dims.2, bias.is_some(),
+                    client,
+                    count,
+                    dim,
+                    addr,
+                    acc_arg,
+                    sx,
+                    sw,
+                    b,
+                    y,
+                    dims.0,
+                    dims.1,
+                    dims.2,
+                    bias.is_some(),
                 )
             };
         }
@@ -280,7 +347,10 @@ pub fn launch_epilogue<F: FloatElement>(
 }
 
 /// The full forward on the GPU; `x` must be contiguous `[m, k]`.
-fn forward_impl<F: FloatElement>(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeTensor<Runtime>> {
+fn forward_impl<F: FloatElement>(
+    x: CubeTensor<Runtime>,
+    prepared: &CudaPrepared,
+) -> Result<CubeTensor<Runtime>> {
     let spec = &prepared.spec;
     let geometry = spec.geometry();
     let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
@@ -302,7 +372,14 @@ fn forward_impl<F: FloatElement>(x: CubeTensor<Runtime>, prepared: &CudaPrepared
         geometry.n,
         precision,
     )?;
-    run_sparse_gemm(&client, prepared, &codes, &acc, m_pad, (&token_scales, m_pad))?;
+    run_sparse_gemm(
+        &client,
+        prepared,
+        &codes,
+        &acc,
+        m_pad,
+        (&token_scales, m_pad),
+    )?;
     launch_epilogue::<F>(
         &client,
         &acc,
@@ -313,7 +390,13 @@ fn forward_impl<F: FloatElement>(x: CubeTensor<Runtime>, prepared: &CudaPrepared
         (m, m_pad, n, n_pad),
         precision,
     )?;
-    Ok(CubeTensor::new_contiguous(client, x.device.clone(), Shape::new([m, n]), out, F::dtype()))
+    Ok(CubeTensor::new_contiguous(
+        client,
+        x.device.clone(),
+        Shape::new([m, n]),
+        out,
+        F::dtype(),
+    ))
 }
 
 /// `acc = X' . W'^T` through cuSPARSELt on this thread's lane, ordered between burn's
@@ -334,16 +417,27 @@ pub fn run_sparse_gemm(
     };
     let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
     state.make_current()?;
-    let (p_w, p_x, p_acc) = (ptr(client, &prepared.compressed)?, ptr(client, codes)?, ptr(client, acc)?);
+    let (p_w, p_x, p_acc) = (
+        ptr(client, &prepared.compressed)?,
+        ptr(client, codes)?,
+        ptr(client, acc)?,
+    );
     state.plan(shape)?;
     if state.needs_search(&shape) {
         search_once(client, &mut state, shape, (p_w, p_x, p_acc))?;
     }
-    let DeviceState { lt, plans, lanes, sync_mode, .. } = &mut *state;
+    let DeviceState {
+        lt,
+        plans,
+        lanes,
+        sync_mode,
+        side,
+        ..
+    } = &mut *state;
     let plan = plans.get(&shape).expect("built above");
     let lane = lanes.current(client)?;
     let p_ws = lane.workspace(client, plan.workspace)?;
-    run_ordered(client, lane, *sync_mode, poison, |stream| {
+    run_ordered(client, lane, side, *sync_mode, poison, |stream| {
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's
         // stream (which owns their reuse) behind the GEMM.
         unsafe { plan.run(lt, p_w, p_x, p_acc, p_ws, stream as Stream) }
@@ -351,7 +445,12 @@ pub fn run_sparse_gemm(
 }
 
 /// Runs `MatmulSearch` for a new M bucket (blocking, once) and remembers the winner.
-fn search_once(client: &Client, state: &mut DeviceState, shape: GemmShape, (p_w, p_x, p_acc): (u64, u64, u64)) -> Result<()> {
+fn search_once(
+    client: &Client,
+    state: &mut DeviceState,
+    shape: GemmShape,
+    (p_w, p_x, p_acc): (u64, u64, u64),
+) -> Result<()> {
     let workspace_bytes = state.plan(shape)?.workspace;
     let workspace = client.empty(SEARCH_WORKSPACE.max(workspace_bytes));
     let p_ws = ptr(client, &workspace)?;
@@ -369,7 +468,9 @@ fn search_once(client: &Client, state: &mut DeviceState, shape: GemmShape, (p_w,
 /// Workspace offered to `MatmulSearch` (it tries every algorithm).
 const SEARCH_WORKSPACE: usize = 256 << 20;
 
-impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend for CubeBackend<Runtime, F, I, BT> {
+impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend
+    for CubeBackend<Runtime, F, I, BT>
+{
     type Prepared = CudaPrepared;
 
     fn slidesparse_prepare(weights: PackedTensors<Self>) -> Result<Self::Prepared> {
@@ -378,7 +479,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend for Cub
 
     fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2> {
         let x = into_contiguous(x.into_primitive().tensor());
-        let y = forward_impl::<F>(x, prepared).unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
+        let y = forward_impl::<F>(x, prepared)
+            .unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
 }

@@ -25,14 +25,46 @@ pub struct DenseShape {
 }
 
 /// (input, output, compute, scale) types of a precision.
-fn types(p: Precision) -> (sys::cudaDataType, sys::cudaDataType, sys::cublasComputeType_t, sys::cudaDataType) {
+fn types(
+    p: Precision,
+) -> (
+    sys::cudaDataType,
+    sys::cudaDataType,
+    sys::cublasComputeType_t,
+    sys::cudaDataType,
+) {
     use sys::{cublasComputeType_t as C, cudaDataType as T};
     match p {
-        Precision::Int8 => (T::CUDA_R_8I, T::CUDA_R_32I, C::CUBLAS_COMPUTE_32I, T::CUDA_R_32I),
-        Precision::Fp8 => (T::CUDA_R_8F_E4M3, T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
-        Precision::Bf16 => (T::CUDA_R_16BF, T::CUDA_R_16BF, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
-        Precision::F16 => (T::CUDA_R_16F, T::CUDA_R_16F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
-        Precision::F32 => (T::CUDA_R_32F, T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        Precision::Int8 => (
+            T::CUDA_R_8I,
+            T::CUDA_R_32I,
+            C::CUBLAS_COMPUTE_32I,
+            T::CUDA_R_32I,
+        ),
+        Precision::Fp8 => (
+            T::CUDA_R_8F_E4M3,
+            T::CUDA_R_32F,
+            C::CUBLAS_COMPUTE_32F,
+            T::CUDA_R_32F,
+        ),
+        Precision::Bf16 => (
+            T::CUDA_R_16BF,
+            T::CUDA_R_16BF,
+            C::CUBLAS_COMPUTE_32F,
+            T::CUDA_R_32F,
+        ),
+        Precision::F16 => (
+            T::CUDA_R_16F,
+            T::CUDA_R_16F,
+            C::CUBLAS_COMPUTE_32F,
+            T::CUDA_R_32F,
+        ),
+        Precision::F32 => (
+            T::CUDA_R_32F,
+            T::CUDA_R_32F,
+            C::CUBLAS_COMPUTE_32F,
+            T::CUDA_R_32F,
+        ),
     }
 }
 

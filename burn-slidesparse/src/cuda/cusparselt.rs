@@ -26,8 +26,15 @@ impl LtHandle {
         lib.check(unsafe { (lib.cusparseLtInit)(&mut *handle) }, "Init")?;
         let mut version = 0;
         // SAFETY: the handle was initialized above.
-        lib.check(unsafe { (lib.cusparseLtGetVersion)(&*handle, &mut version) }, "GetVersion")?;
-        let this = Self { lib, handle, version };
+        lib.check(
+            unsafe { (lib.cusparseLtGetVersion)(&*handle, &mut version) },
+            "GetVersion",
+        )?;
+        let this = Self {
+            lib,
+            handle,
+            version,
+        };
         if version < 800 {
             return Err(crate::SlideSparseError::Backend(format!(
                 "cuSPARSELt {} at {} is too old: 0.8 or newer is needed",
@@ -52,7 +59,12 @@ impl Drop for LtHandle {
 
 /// `major.minor.patch` of a cuSPARSELt version number (`major*1000 + minor*100 + patch`).
 pub fn version_string(version: i32) -> String {
-    format!("{}.{}.{}", version / 1000, version % 1000 / 100, version % 100)
+    format!(
+        "{}.{}.{}",
+        version / 1000,
+        version % 1000 / 100,
+        version % 100
+    )
 }
 
 /// cuSPARSELt types of one precision: (input, output/C/D, compute).
@@ -82,7 +94,12 @@ pub struct MatDescriptor {
 
 impl MatDescriptor {
     /// The structured (2:4) weight `W'` row-major `[n_pad, k']` seen column-major `[k', n_pad]`.
-    pub fn structured(lt: &LtHandle, k_prime: usize, n_pad: usize, precision: Precision) -> Result<Self> {
+    pub fn structured(
+        lt: &LtHandle,
+        k_prime: usize,
+        n_pad: usize,
+        precision: Precision,
+    ) -> Result<Self> {
         let mut desc = Opaque::boxed();
         let (input, _, _) = types_of(precision);
         // SAFETY: valid handle and writable descriptor.
@@ -130,7 +147,10 @@ impl MatDescriptor {
     /// Destroys a descriptor that no plan owns.
     pub fn destroy(self, lt: &LtHandle) -> Result<()> {
         // SAFETY: initialized at construction, destroyed once (consumes self).
-        lt.lib.check(unsafe { (lt.lib.cusparseLtMatDescriptorDestroy)(self.raw()) }, "MatDescriptorDestroy")
+        lt.lib.check(
+            unsafe { (lt.lib.cusparseLtMatDescriptorDestroy)(self.raw()) },
+            "MatDescriptorDestroy",
+        )
     }
 }
 
@@ -158,7 +178,9 @@ pub struct CompressedSizes {
 pub fn compressed_sizes(lt: &LtHandle, desc: &MatDescriptor) -> Result<CompressedSizes> {
     let (mut compressed, mut buffer) = (0usize, 0usize);
     // SAFETY: valid handle and descriptor; outputs are plain integers.
-    let status = unsafe { (lt.lib.cusparseLtSpMMACompressedSize2)(lt.raw(), desc.raw(), &mut compressed, &mut buffer) };
+    let status = unsafe {
+        (lt.lib.cusparseLtSpMMACompressedSize2)(lt.raw(), desc.raw(), &mut compressed, &mut buffer)
+    };
     lt.lib.check(status, "SpMMACompressedSize2")?;
     Ok(CompressedSizes { compressed, buffer })
 }
@@ -167,7 +189,13 @@ pub fn compressed_sizes(lt: &LtHandle, desc: &MatDescriptor) -> Result<Compresse
 ///
 /// # Safety
 /// `d_weight` and `d_valid` must be live device pointers of the sizes `desc` implies.
-pub unsafe fn prune_check(lt: &LtHandle, desc: &MatDescriptor, d_weight: u64, d_valid: u64, stream: Stream) -> Result<()> {
+pub unsafe fn prune_check(
+    lt: &LtHandle,
+    desc: &MatDescriptor,
+    d_weight: u64,
+    d_valid: u64,
+    stream: Stream,
+) -> Result<()> {
     let status = unsafe {
         (lt.lib.cusparseLtSpMMAPruneCheck2)(
             lt.raw(),
@@ -241,7 +269,12 @@ impl SparsePlan {
             desc,
             destroy: lt.lib.cusparseLtMatDescriptorDestroy,
         };
-        let weight = own(MatDescriptor::structured(lt, shape.k_prime, shape.n_pad, shape.precision)?);
+        let weight = own(MatDescriptor::structured(
+            lt,
+            shape.k_prime,
+            shape.n_pad,
+            shape.precision,
+        )?);
         let act = own(MatDescriptor::dense(lt, shape.k_prime, shape.m_pad, input)?);
         let out = own(MatDescriptor::dense(lt, shape.n_pad, shape.m_pad, output)?);
         let mut matmul = Opaque::boxed();
@@ -268,7 +301,12 @@ impl SparsePlan {
         // SAFETY: as above.
         unsafe {
             lib.check(
-                (lib.cusparseLtMatmulAlgSelectionInit)(lt.raw(), &mut *alg, &*matmul, sys::ALG_DEFAULT),
+                (lib.cusparseLtMatmulAlgSelectionInit)(
+                    lt.raw(),
+                    &mut *alg,
+                    &*matmul,
+                    sys::ALG_DEFAULT,
+                ),
                 "MatmulAlgSelectionInit",
             )?;
         }
@@ -289,8 +327,14 @@ impl SparsePlan {
         let mut workspace = 0usize;
         // SAFETY: as above.
         unsafe {
-            lib.check((lib.cusparseLtMatmulPlanInit)(lt.raw(), &mut *plan, &*matmul, &*alg), "MatmulPlanInit")?;
-            lib.check((lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*plan, &mut workspace), "MatmulGetWorkspace")?;
+            lib.check(
+                (lib.cusparseLtMatmulPlanInit)(lt.raw(), &mut *plan, &*matmul, &*alg),
+                "MatmulPlanInit",
+            )?;
+            lib.check(
+                (lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*plan, &mut workspace),
+                "MatmulGetWorkspace",
+            )?;
         }
         let mut this = Self {
             plan,
@@ -391,7 +435,10 @@ impl SparsePlan {
         self.config_id = self.read_config_id(lt)?;
         // The winner may need a different workspace; the caller re-reads it.
         unsafe {
-            lt.lib.check((lt.lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*self.plan, &mut self.workspace), "MatmulGetWorkspace")?;
+            lt.lib.check(
+                (lt.lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*self.plan, &mut self.workspace),
+                "MatmulGetWorkspace",
+            )?;
         }
         Ok(self.config_id)
     }

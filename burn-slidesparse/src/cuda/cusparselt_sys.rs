@@ -132,7 +132,13 @@ pub fn candidate_paths() -> Vec<PathBuf> {
         roots.push(PathBuf::from(home).join(".local"));
     }
     for root in roots {
-        for py in ["python3.10", "python3.11", "python3.12", "python3.13", "python3.14"] {
+        for py in [
+            "python3.10",
+            "python3.11",
+            "python3.12",
+            "python3.13",
+            "python3.14",
+        ] {
             for pkgs in ["site-packages", "dist-packages"] {
                 let base = root.join("lib").join(py).join(pkgs).join("nvidia");
                 paths.push(base.join("cusparselt/lib").join(LIBRARY_NAME));
@@ -156,7 +162,9 @@ impl CusparseLt {
             match unsafe { Library::new(&path) } {
                 Ok(lib) => match Self::from_library(lib, path.clone()) {
                     Ok(loaded) => return Ok(loaded),
-                    Err(missing) => tried.push(format!("{} (missing symbol {missing})", path.display())),
+                    Err(missing) => {
+                        tried.push(format!("{} (missing symbol {missing})", path.display()))
+                    }
                 },
                 Err(e) => tried.push(format!("{} ({e})", path.display())),
             }
@@ -165,7 +173,11 @@ impl CusparseLt {
             "cuSPARSELt (libcusparseLt.so.0, >= 0.8) not found. Install it (pip install \
              nvidia-cusparselt-cu13, or NVIDIA's package) and/or set SLIDESPARSE_CUSPARSELT to \
              the library file. Tried: {}",
-            if tried.is_empty() { "nothing that exists".to_string() } else { tried.join("; ") }
+            if tried.is_empty() {
+                "nothing that exists".to_string()
+            } else {
+                tried.join("; ")
+            }
         )))
     }
 
@@ -177,8 +189,14 @@ impl CusparseLt {
         // SAFETY: the library returns a static NUL-terminated string for any status.
         let text = unsafe {
             let p = (self.cusparseLtGetErrorString)(status);
-            if p.is_null() { "unknown error".into() } else { CStr::from_ptr(p).to_string_lossy() }
+            if p.is_null() {
+                "unknown error".into()
+            } else {
+                CStr::from_ptr(p).to_string_lossy()
+            }
         };
-        Err(SlideSparseError::Backend(format!("cuSPARSELt {call} failed with status {status}: {text}")))
+        Err(SlideSparseError::Backend(format!(
+            "cuSPARSELt {call} failed with status {status}: {text}"
+        )))
     }
 }

@@ -8,9 +8,9 @@ use cubecl::{prelude::*, server::Handle};
 
 use super::{
     backend::{Runtime, launch_epilogue, launch_quant_lift, m_pad, ptr},
-    ordering::run_ordered,
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt,
+    ordering::run_ordered,
     state::{DeviceState, device_state},
 };
 use crate::{
@@ -34,10 +34,17 @@ pub struct DenseLayerGpu {
 
 impl DenseLayerGpu {
     /// Uploads a quantized `[n, k]` weight (codes + per-row scales).
-    pub fn new(client: &ComputeClient<Runtime>, device_index: usize, weight: &QuantizedWeight, bias: Option<&[f32]>) -> Result<Self> {
+    pub fn new(
+        client: &ComputeClient<Runtime>,
+        device_index: usize,
+        weight: &QuantizedWeight,
+        bias: Option<&[f32]>,
+    ) -> Result<Self> {
         let precision = weight.codes.precision();
         if precision == Precision::F32 {
-            return Err(SlideSparseError::Backend("the dense GPU baseline supports int8, fp8, bf16 and f16".into()));
+            return Err(SlideSparseError::Backend(
+                "the dense GPU baseline supports int8, fp8, bf16 and f16".into(),
+            ));
         }
         let (n, k) = (weight.rows, weight.cols);
         let k_pad = k.next_multiple_of(16);
@@ -45,7 +52,8 @@ impl DenseLayerGpu {
         let src = weight.codes.to_le_bytes();
         let mut bytes = vec![0u8; n * k_pad * elem];
         for r in 0..n {
-            bytes[r * k_pad * elem..(r * k_pad + k) * elem].copy_from_slice(&src[r * k * elem..(r + 1) * k * elem]);
+            bytes[r * k_pad * elem..(r * k_pad + k) * elem]
+                .copy_from_slice(&src[r * k * elem..(r + 1) * k * elem]);
         }
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>();
         debug_assert!(!matches!(weight.codes, WeightCodes::F32(_)));
@@ -73,7 +81,15 @@ impl DenseLayerGpu {
         let token_scales = client.empty(m_pad * 4);
         let acc = client.empty(m_pad * self.n * cusparselt::output_bytes(self.precision));
         let out = client.empty(m * self.n * core::mem::size_of::<F>());
-        launch_quant_lift::<F>(&client, &x.handle, &codes, &token_scales, (m, m_pad, k, k, self.k_pad), 0, self.precision)?;
+        launch_quant_lift::<F>(
+            &client,
+            &x.handle,
+            &codes,
+            &token_scales,
+            (m, m_pad, k, k, self.k_pad),
+            0,
+            self.precision,
+        )?;
         {
             let shape = DenseShape {
                 m_pad,
@@ -81,19 +97,64 @@ impl DenseLayerGpu {
                 k: self.k_pad,
                 precision: self.precision,
             };
-            let (p_w, p_x, p_acc) = (ptr(&client, &self.weight)?, ptr(&client, &codes)?, ptr(&client, &acc)?);
+            let (p_w, p_x, p_acc) = (
+                ptr(&client, &self.weight)?,
+                ptr(&client, &codes)?,
+                ptr(&client, &acc)?,
+            );
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
             state.dense_gemm()?;
-            let DeviceState { lanes, dense, sync_mode, .. } = &mut *state;
-            let (lane, gemm, mode) = (lanes.current(&client)?, dense.as_mut().expect("created above"), *sync_mode);
+            let DeviceState {
+                lanes,
+                dense,
+                sync_mode,
+                side,
+                ..
+            } = &mut *state;
+            let (lane, gemm, mode) = (
+                lanes.current(&client)?,
+                dense.as_mut().expect("created above"),
+                *sync_mode,
+            );
             let p_ws = lane.workspace(&client, WORKSPACE)?;
-            run_ordered(&client, lane, mode, (&token_scales, m_pad), |stream| {
-                // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
-                unsafe { gemm.run(shape, p_w, p_x, p_acc, p_ws, stream as *mut std::ffi::c_void) }
-            })?;
+            run_ordered(
+                &client,
+                lane,
+                side,
+                mode,
+                (&token_scales, m_pad),
+                |stream| {
+                    // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
+                    unsafe {
+                        gemm.run(
+                            shape,
+                            p_w,
+                            p_x,
+                            p_acc,
+                            p_ws,
+                            stream as *mut std::ffi::c_void,
+                        )
+                    }
+                },
+            )?;
         }
-        launch_epilogue::<F>(&client, &acc, &token_scales, &self.scale, self.bias.as_ref(), &out, (m, m_pad, self.n, self.n), self.precision)?;
-        Ok(CubeTensor::new_contiguous(client, x.device.clone(), burn::tensor::Shape::new([m, self.n]), out, F::dtype()))
+        launch_epilogue::<F>(
+            &client,
+            &acc,
+            &token_scales,
+            &self.scale,
+            self.bias.as_ref(),
+            &out,
+            (m, m_pad, self.n, self.n),
+            self.precision,
+        )?;
+        Ok(CubeTensor::new_contiguous(
+            client,
+            x.device.clone(),
+            burn::tensor::Shape::new([m, self.n]),
+            out,
+            F::dtype(),
+        ))
     }
 }

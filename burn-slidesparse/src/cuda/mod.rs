@@ -5,9 +5,10 @@ pub mod algo_cache;
 pub mod backend;
 pub mod cublaslt;
 pub mod cusparselt;
+pub mod cusparselt_sys;
 pub mod dense;
 pub mod ordering;
-pub mod cusparselt_sys;
+pub mod side_kernels;
 pub mod state;
 
 pub use backend::CudaPrepared;

@@ -3,15 +3,23 @@
 //! cubecl-cuda 0.10 launches on a private per-thread stream. Two designs keep the GEMM
 //! between the quantization kernel and the epilogue (both on that stream):
 //!
-//! - [`SyncMode::Flags`] (default, no host synchronization): a CubeCL kernel stores an epoch
-//!   into a flag after the quantization; our stream waits for it (`cuStreamWaitValue32`),
-//!   runs the GEMM and writes the epoch into a second flag (`cuStreamWriteValue32`, which
-//!   orders the GEMM's writes before it); a CubeCL kernel on burn's stream spins until it
-//!   sees that flag, so the epilogue runs after the GEMM. Buffers freed after the forward
+//! - [`SyncMode::Flags`] (opt-in, no host synchronization): a CubeCL kernel stores an epoch
+//!   into a flag after the quantization; a spin kernel on our stream waits for it, the GEMM
+//!   runs, and a store kernel writes the epoch into a second flag (both side kernels are
+//!   NVRTC-compiled, `side_kernels.rs`: the driver's `cuStreamWaitValue32` rejects cubecl's
+//!   stream-ordered memory); a CubeCL kernel on burn's stream spins until it sees that
+//!   flag, so the epilogue runs after the GEMM. Buffers freed after the forward
 //!   are reused only by work queued behind that wait kernel, so they outlive the GEMM. A
 //!   wait that exceeds its spin budget records a timeout and turns the output into NaN
 //!   (reported by [`check_timeouts`]) instead of hanging.
-//! - [`SyncMode::Host`]: `client.sync()` before the GEMM and `cuStreamSynchronize` after.
+//! - [`SyncMode::Host`] (default): `client.sync()` before the GEMM and
+//!   `cuStreamSynchronize` after.
+//!
+//! Why `Flags` is not the default: a spinning kernel on burn's stream holds an SM slot while
+//! the GEMM runs; GEMM kernels that need all their CTAs resident at once (persistent,
+//! stream-K) then cannot start until the spin gives up. Measured on the H200: stalls of
+//! seconds per hundred forwards on Llama-sized layers. A safe no-sync design needs burn's
+//! stream itself (to record an event on it), which cubecl-cuda 0.10 does not expose.
 //!
 //! Each burn thread gets its own lane (stream, flags, epoch, workspace), because each burn
 //! thread has its own cubecl stream and epochs must increase monotonically per stream.
@@ -22,7 +30,10 @@ use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
 use cubecl_kernels::stream_sync::{signal_kernel, wait_kernel};
 use cudarc::driver::{result as cu, sys};
 
-use super::backend::{Runtime, ptr, sync_burn_stream};
+use super::{
+    backend::{Runtime, ptr, sync_burn_stream},
+    side_kernels::SideKernels,
+};
 use crate::error::{Result, SlideSparseError};
 
 type Client = ComputeClient<Runtime>;
@@ -30,18 +41,22 @@ type Client = ComputeClient<Runtime>;
 /// How the GEMM stream is ordered with burn's stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SyncMode {
-    /// Device-side flags, no host synchronization (default).
+    /// Device-side flags, no host synchronization. Experimental: correct (bit-identical to
+    /// `Host` in the GPU tests) but the spin kernel on burn's stream can keep a persistent
+    /// (all-SMs co-resident) GEMM kernel from being scheduled until the spin times out; the
+    /// layer benchmark saw multi-second stalls on Llama-sized layers. Opt in with
+    /// `SLIDESPARSE_SYNC=flags`.
     Flags,
-    /// Host synchronizations before and after the GEMM.
+    /// Host synchronizations before and after the GEMM (default).
     Host,
 }
 
 impl SyncMode {
-    /// From `SLIDESPARSE_SYNC` (`flags` or `host`), default `flags`.
+    /// From `SLIDESPARSE_SYNC` (`host` or `flags`), default `host`.
     pub fn from_env() -> Self {
         match std::env::var("SLIDESPARSE_SYNC").as_deref() {
-            Ok("host") => SyncMode::Host,
-            _ => SyncMode::Flags,
+            Ok("flags") => SyncMode::Flags,
+            _ => SyncMode::Host,
         }
     }
 }
@@ -57,6 +72,7 @@ pub struct Lane {
     done: Handle,
     done_ptr: u64,
     timed_out: Handle,
+    timed_out_ptr: u64,
     epoch: u32,
     workspace: Option<(Handle, u64, usize)>,
 }
@@ -67,11 +83,16 @@ fn driver(what: &'static str) -> impl Fn(cu::DriverError) -> SlideSparseError {
 
 impl Lane {
     fn new(client: &Client) -> Result<Self> {
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"))?;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(driver("cuStreamCreate"))?;
         let ready = client.create_from_slice(&[0; 4]);
         let done = client.create_from_slice(&[0; 4]);
         let timed_out = client.create_from_slice(&[0; 4]);
-        let (ready_ptr, done_ptr) = (ptr(client, &ready)?, ptr(client, &done)?);
+        let (ready_ptr, done_ptr, timed_out_ptr) = (
+            ptr(client, &ready)?,
+            ptr(client, &done)?,
+            ptr(client, &timed_out)?,
+        );
         // The flags must hold their zeros before our stream ever waits on them.
         sync_burn_stream(client)?;
         Ok(Self {
@@ -81,6 +102,7 @@ impl Lane {
             done,
             done_ptr,
             timed_out,
+            timed_out_ptr,
             epoch: 0,
             workspace: None,
         })
@@ -106,7 +128,8 @@ impl Lane {
             // Wrap: drain both streams, then start over from fresh zeroed flags.
             sync_burn_stream(client)?;
             // SAFETY: our stream is valid.
-            unsafe { cu::stream::synchronize(self.stream) }.map_err(driver("cuStreamSynchronize"))?;
+            unsafe { cu::stream::synchronize(self.stream) }
+                .map_err(driver("cuStreamSynchronize"))?;
             *self = Lane {
                 stream: self.stream,
                 workspace: self.workspace.take(),
@@ -157,6 +180,7 @@ impl Lanes {
 pub fn run_ordered(
     client: &Client,
     lane: &mut Lane,
+    side: &SideKernels,
     mode: SyncMode,
     poison: (&Handle, usize),
     enqueue: impl FnOnce(sys::CUstream) -> Result<()>,
@@ -184,18 +208,17 @@ pub fn run_ordered(
             }
             // No flush needed: cubecl submits burn's stream in order, so the signal kernel
             // is submitted before the wait kernel that depends on our stream.
-            // SAFETY: the flag pointers are live cubecl allocations held by the lane.
-            unsafe {
-                sys::cuStreamWaitValue32_v2(lane.stream, lane.ready_ptr, epoch, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32)
-                    .result()
-                    .map_err(driver("cuStreamWaitValue32"))?;
-            }
+            side.wait(
+                lane.stream,
+                lane.ready_ptr,
+                epoch,
+                lane.timed_out_ptr,
+                MAX_SPINS,
+            )?;
             enqueue(lane.stream)?;
-            // SAFETY: as above; default flags order the GEMM's writes before the flag.
+            side.signal(lane.stream, lane.done_ptr, epoch)?;
+            // SAFETY: as above.
             unsafe {
-                sys::cuStreamWriteValue32_v2(lane.stream, lane.done_ptr, epoch, 0)
-                    .result()
-                    .map_err(driver("cuStreamWriteValue32"))?;
                 wait_kernel::launch_unchecked::<Runtime>(
                     client,
                     one,

@@ -12,8 +12,9 @@ use cudarc::driver::{result as cu, sys};
 use super::{
     algo_cache::AlgoCache,
     cublaslt::DenseGemm,
-    ordering::{Lanes, SyncMode},
     cusparselt::{GemmShape, LtHandle, SparsePlan},
+    ordering::{Lanes, SyncMode},
+    side_kernels::SideKernels,
 };
 use crate::error::{Result, SlideSparseError};
 
@@ -32,6 +33,8 @@ pub struct DeviceState {
     /// Per-thread streams and flags of the GEMM ordering.
     pub lanes: Lanes,
     pub sync_mode: SyncMode,
+    /// Wait/signal kernels for our streams.
+    pub side: SideKernels,
 }
 
 // SAFETY: the raw stream/context pointers are only used while holding the state's mutex,
@@ -47,11 +50,13 @@ impl DeviceState {
         cu::init().map_err(driver_err("cuInit"))?;
         let device = cu::device::get(index as i32).map_err(driver_err("cuDeviceGet"))?;
         // SAFETY: `device` is valid; the primary context is the one cubecl-cuda uses.
-        let context = unsafe { cu::primary_ctx::retain(device) }.map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+        let context = unsafe { cu::primary_ctx::retain(device) }
+            .map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         // SAFETY: `context` was just retained.
         unsafe { cu::ctx::set_current(context) }.map_err(driver_err("cuCtxSetCurrent"))?;
         let gpu_name = cu::device::get_name(device).unwrap_or_else(|_| format!("cuda:{index}"));
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))?;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(driver_err("cuStreamCreate"))?;
         let lt = LtHandle::new()?;
         Ok(Self {
             lt,
@@ -63,6 +68,7 @@ impl DeviceState {
             dense: None,
             lanes: Lanes::default(),
             sync_mode: SyncMode::from_env(),
+            side: SideKernels::new()?,
         })
     }
 
@@ -105,7 +111,10 @@ impl DeviceState {
         self.algos.search_enabled
             && shape.n_pad >= 1024
             && shape.k_prime >= 1024
-            && self.algos.get(&AlgoCache::key(&self.gpu_name, self.lt.version, shape)).is_none()
+            && self
+                .algos
+                .get(&AlgoCache::key(&self.gpu_name, self.lt.version, shape))
+                .is_none()
     }
 
     /// Remembers a search result for this shape's bucket.
@@ -120,7 +129,10 @@ type States = Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>;
 /// The state of device `index`, created on first use.
 pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
     static STATES: OnceLock<States> = OnceLock::new();
-    let mut states = STATES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut states = STATES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if let Some(s) = states.get(&index) {
         return Ok(s.clone());
     }

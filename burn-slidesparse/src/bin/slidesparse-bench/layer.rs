@@ -39,13 +39,19 @@ fn random_weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
     let mut w = vec![0f32; n * k];
     w.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
         let mut rng = StdRng::seed_from_u64(seed * 7919 + i as u64);
-        c.iter_mut().for_each(|v| *v = rng.random_range(-1.0f32..1.0));
+        c.iter_mut()
+            .for_each(|v| *v = rng.random_range(-1.0f32..1.0));
     });
     w
 }
 
 /// Median wall milliseconds of `f(i)` followed by a device sync.
-fn median_ms<B: Backend>(device: &burn::tensor::Device<B>, warmup: usize, reps: usize, mut f: impl FnMut(usize)) -> f64 {
+fn median_ms<B: Backend>(
+    device: &burn::tensor::Device<B>,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut(usize),
+) -> f64 {
     for i in 0..warmup {
         f(i);
     }
@@ -79,11 +85,23 @@ fn copy_bandwidth(device: &burn::tensor::Device<Gpu>) -> f64 {
 pub fn layer_bench(args: &Args) {
     let device = Default::default();
     let client = CudaRuntime::client(&device);
-    let ms: Vec<usize> = parse_list(&args.m).iter().map(|v| v.parse().unwrap()).collect();
-    let precisions: Vec<Precision> = parse_list(&args.precisions).iter().map(|p| p.parse().unwrap()).collect();
-    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns).iter().map(|p| p.parse().unwrap()).collect();
+    let ms: Vec<usize> = parse_list(&args.m)
+        .iter()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let precisions: Vec<Precision> = parse_list(&args.precisions)
+        .iter()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns)
+        .iter()
+        .map(|p| p.parse().unwrap())
+        .collect();
     let copy_bw = copy_bandwidth(&device);
-    println!("measured copy bandwidth (x + 1.0 over 1 GiB, read + write): {:.0} GB/s", copy_bw / 1e9);
+    println!(
+        "measured copy bandwidth (x + 1.0 over 1 GiB, read + write): {:.0} GB/s",
+        copy_bw / 1e9
+    );
     let started = Instant::now();
     // (model, precision, M) -> variant -> summed ms
     let mut totals: BTreeMap<(String, String, usize), BTreeMap<String, f64>> = BTreeMap::new();
@@ -92,14 +110,24 @@ pub fn layer_bench(args: &Args) {
     for model in parse_list(&args.models) {
         for (li, &(n, k)) in model_shapes(&model).iter().enumerate() {
             let w = random_weight(n, k, li as u64 + 1);
-            let bf16_linear = LinearConfig::new(k, n).with_bias(false).init::<GpuBf16>(&device);
-            let mut layers: Vec<(Precision, DenseLayerGpu, Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>)> = Vec::new();
+            let bf16_linear = LinearConfig::new(k, n)
+                .with_bias(false)
+                .init::<GpuBf16>(&device);
+            let mut layers: Vec<(
+                Precision,
+                DenseLayerGpu,
+                Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>,
+            )> = Vec::new();
             for &precision in &precisions {
-                let dense = DenseLayerGpu::new(&client, 0, &quantize_weight(&w, n, k, precision), None).unwrap();
+                let dense =
+                    DenseLayerGpu::new(&client, 0, &quantize_weight(&w, n, k, precision), None)
+                        .unwrap();
                 let sparse = patterns
                     .iter()
                     .map(|&p| {
-                        let (packed, _, _) = pack_linear("w", &w, n, k, None, &PackOptions::new(p, precision)).unwrap();
+                        let (packed, _, _) =
+                            pack_linear("w", &w, n, k, None, &PackOptions::new(p, precision))
+                                .unwrap();
                         let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
                         layer.prepared().unwrap();
                         (p, layer)
@@ -109,8 +137,12 @@ pub fn layer_bench(args: &Args) {
             }
             for &m in &ms {
                 let rot = rotation(m * k * 4);
-                let xs: Vec<Tensor<Gpu, 2>> = (0..rot).map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device)).collect();
-                let xb: Vec<Tensor<GpuBf16, 2>> = (0..rot).map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device)).collect();
+                let xs: Vec<Tensor<Gpu, 2>> = (0..rot)
+                    .map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device))
+                    .collect();
+                let xb: Vec<Tensor<GpuBf16, 2>> = (0..rot)
+                    .map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device))
+                    .collect();
                 let bf16_ms = median_ms::<GpuBf16>(&device, 5, args.reps, |i| {
                     let _ = bf16_linear.forward(xb[i % rot].clone());
                 });
@@ -118,12 +150,17 @@ pub fn layer_bench(args: &Args) {
                     let key = (model.clone(), precision.to_string(), m);
                     let entry = totals.entry(key).or_default();
                     *entry.entry("burn bf16".into()).or_default() += bf16_ms;
-                    let prims: Vec<_> = xs.iter().map(|x| x.clone().into_primitive().tensor()).collect();
+                    let prims: Vec<_> = xs
+                        .iter()
+                        .map(|x| x.clone().into_primitive().tensor())
+                        .collect();
                     let dense_ms = median_ms::<Gpu>(&device, 5, args.reps, |i| {
                         let _ = dense.forward::<f32>(&prims[i % rot]).unwrap();
                     });
                     *entry.entry("dense".into()).or_default() += dense_ms;
-                    let mut line = format!("{model} {n}x{k} {precision} M={m}: bf16 {bf16_ms:.4} dense {dense_ms:.4}");
+                    let mut line = format!(
+                        "{model} {n}x{k} {precision} M={m}: bf16 {bf16_ms:.4} dense {dense_ms:.4}"
+                    );
                     for (pattern, layer) in sparse {
                         let t = median_ms::<Gpu>(&device, 5, args.reps, |i| {
                             let _ = layer.forward(xs[i % rot].clone());
@@ -131,11 +168,16 @@ pub fn layer_bench(args: &Args) {
                         *entry.entry(pattern.to_string()).or_default() += t;
                         line += &format!(" {pattern} {t:.4}");
                         if *pattern == SparsityPattern::P6_8 {
-                            stages.push(stage_times(&client, &device, &prims, *precision, *pattern, n, k, m, args.reps, copy_bw, &model));
+                            stages.push(stage_times(
+                                &client, &device, &prims, *precision, *pattern, n, k, m, args.reps,
+                                copy_bw, &model,
+                            ));
                         }
                     }
                     if m <= 64 && *precision == Precision::Int8 {
-                        decode.push(sync_cost(&device, dense, sparse, &xs, &prims, args.reps, &model, n, k, m));
+                        decode.push(sync_cost(
+                            &device, dense, sparse, &xs, &prims, args.reps, &model, n, k, m,
+                        ));
                     }
                     eprintln!("[{:>5.0}s] {line}", started.elapsed().as_secs_f64());
                 }
@@ -143,15 +185,24 @@ pub fn layer_bench(args: &Args) {
         }
     }
     print_tables(&totals, &patterns, &stages);
-    println!("\nOrdering designs at decode (INT8, per layer): wall ms per forward (+device sync), and host ms to enqueue one forward");
-    println!("| model | shape | M | dense flags | dense host-sync | 6:8 flags | 6:8 host-sync | 6:8 enqueue (host ms) |");
+    println!(
+        "\nOrdering designs at decode (INT8, per layer): wall ms per forward (+device sync), and host ms to enqueue one forward"
+    );
+    println!(
+        "| model | shape | M | dense flags | dense host-sync | 6:8 flags | 6:8 host-sync | 6:8 enqueue (host ms) |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     for d in &decode {
         println!(
             "| {} | {}x{} | {} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |",
-            d["model"].as_str().unwrap(), d["shape"][0], d["shape"][1], d["m"],
-            d["dense_flags_ms"].as_f64().unwrap(), d["dense_host_ms"].as_f64().unwrap(),
-            d["sparse_flags_ms"].as_f64().unwrap(), d["sparse_host_ms"].as_f64().unwrap(),
+            d["model"].as_str().unwrap(),
+            d["shape"][0],
+            d["shape"][1],
+            d["m"],
+            d["dense_flags_ms"].as_f64().unwrap(),
+            d["dense_host_ms"].as_f64().unwrap(),
+            d["sparse_flags_ms"].as_f64().unwrap(),
+            d["sparse_host_ms"].as_f64().unwrap(),
             d["sparse_enqueue_ms"].as_f64().unwrap()
         );
     }
@@ -181,7 +232,11 @@ fn sync_cost(
     m: usize,
 ) -> serde_json::Value {
     let rot = xs.len();
-    let layer = &sparse.iter().find(|(p, _)| *p == SparsityPattern::P6_8).expect("6:8 benchmarked").1;
+    let layer = &sparse
+        .iter()
+        .find(|(p, _)| *p == SparsityPattern::P6_8)
+        .expect("6:8 benchmarked")
+        .1;
     let state = device_state(0).unwrap();
     let run = |mode: SyncMode| {
         state.lock().unwrap().sync_mode = mode;
@@ -230,17 +285,45 @@ fn stage_times(
     let codes = client.empty(mp * g.k_prime());
     let scales = client.empty(mp * 4);
     let lift_ms = median_ms::<Gpu>(device, 3, reps, |i| {
-        launch_quant_lift::<f32>(client, &xs[i % rot].handle, &codes, &scales, (m, mp, k, g.k_slide(), g.k_prime()), g.n, precision).unwrap();
+        launch_quant_lift::<f32>(
+            client,
+            &xs[i % rot].handle,
+            &codes,
+            &scales,
+            (m, mp, k, g.k_slide(), g.k_prime()),
+            g.n,
+            precision,
+        )
+        .unwrap();
     });
     let plain_ms = median_ms::<Gpu>(device, 3, reps, |i| {
-        launch_quant_lift::<f32>(client, &xs[i % rot].handle, &codes, &scales, (m, mp, k, k, k.next_multiple_of(16)), 0, precision).unwrap();
+        launch_quant_lift::<f32>(
+            client,
+            &xs[i % rot].handle,
+            &codes,
+            &scales,
+            (m, mp, k, k, k.next_multiple_of(16)),
+            0,
+            precision,
+        )
+        .unwrap();
     });
     let n_pad = n.next_multiple_of(32);
     let acc = client.empty(mp * n_pad * 4);
     let sw = client.empty(n * 4);
     let out = client.empty(m * n * 4);
     let epi_ms = median_ms::<Gpu>(device, 3, reps, |_| {
-        launch_epilogue::<f32>(client, &acc, &scales, &sw, None, &out, (m, mp, n, n_pad), precision).unwrap();
+        launch_epilogue::<f32>(
+            client,
+            &acc,
+            &scales,
+            &sw,
+            None,
+            &out,
+            (m, mp, n, n_pad),
+            precision,
+        )
+        .unwrap();
     });
     let lift_bytes = (m * k * 4 + mp * g.k_prime() + mp * 4) as f64;
     let plain_bytes = (m * k * 4 + mp * k.next_multiple_of(16) + mp * 4) as f64;
@@ -260,25 +343,56 @@ fn print_tables(
     stages: &[serde_json::Value],
 ) {
     let names: Vec<String> = patterns.iter().map(|p| p.to_string()).collect();
-    println!("\nWhole layers, summed over the block's 4 layers: ms, and speedup of each SlideSparse pattern vs the dense layer (same pipeline)");
-    println!("| model | precision | M | burn bf16 ms | dense ms | {} | {} |", names.iter().map(|n| format!("{n} ms")).collect::<Vec<_>>().join(" | "), names.iter().map(|n| format!("{n} x")).collect::<Vec<_>>().join(" | "));
+    println!(
+        "\nWhole layers, summed over the block's 4 layers: ms, and speedup of each SlideSparse pattern vs the dense layer (same pipeline)"
+    );
+    println!(
+        "| model | precision | M | burn bf16 ms | dense ms | {} | {} |",
+        names
+            .iter()
+            .map(|n| format!("{n} ms"))
+            .collect::<Vec<_>>()
+            .join(" | "),
+        names
+            .iter()
+            .map(|n| format!("{n} x"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
     println!("|---|---|---|---|---|{}", "---|".repeat(2 * names.len()));
     for ((model, p, m), v) in totals {
         let dense = v["dense"];
         let ms: Vec<String> = names.iter().map(|n| format!("{:.3}", v[n])).collect();
-        let x: Vec<String> = names.iter().map(|n| format!("{:.2}", dense / v[n])).collect();
-        println!("| {model} | {p} | {m} | {:.3} | {dense:.3} | {} | {} |", v["burn bf16"], ms.join(" | "), x.join(" | "));
+        let x: Vec<String> = names
+            .iter()
+            .map(|n| format!("{:.2}", dense / v[n]))
+            .collect();
+        println!(
+            "| {model} | {p} | {m} | {:.3} | {dense:.3} | {} | {} |",
+            v["burn bf16"],
+            ms.join(" | "),
+            x.join(" | ")
+        );
     }
     println!("\nStages alone (6:8): ms and achieved GB/s (bytes read + written)");
-    println!("| model | shape | precision | M | quant+lift ms | GB/s | plain quant ms | GB/s | epilogue ms | GB/s |");
+    println!(
+        "| model | shape | precision | M | quant+lift ms | GB/s | plain quant ms | GB/s | epilogue ms | GB/s |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for s in stages {
         println!(
             "| {} | {}x{} | {} | {} | {:.4} | {:.0} | {:.4} | {:.0} | {:.4} | {:.0} |",
-            s["model"].as_str().unwrap(), s["shape"][0], s["shape"][1], s["precision"].as_str().unwrap(), s["m"],
-            s["quant_lift_ms"].as_f64().unwrap(), s["quant_lift_gbs"].as_f64().unwrap(),
-            s["plain_quant_ms"].as_f64().unwrap(), s["plain_quant_gbs"].as_f64().unwrap(),
-            s["epilogue_ms"].as_f64().unwrap(), s["epilogue_gbs"].as_f64().unwrap()
+            s["model"].as_str().unwrap(),
+            s["shape"][0],
+            s["shape"][1],
+            s["precision"].as_str().unwrap(),
+            s["m"],
+            s["quant_lift_ms"].as_f64().unwrap(),
+            s["quant_lift_gbs"].as_f64().unwrap(),
+            s["plain_quant_ms"].as_f64().unwrap(),
+            s["plain_quant_gbs"].as_f64().unwrap(),
+            s["epilogue_ms"].as_f64().unwrap(),
+            s["epilogue_gbs"].as_f64().unwrap()
         );
     }
 }

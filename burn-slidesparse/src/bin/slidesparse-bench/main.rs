@@ -74,36 +74,43 @@ impl Drop for Buf {
 fn random_codes(count: usize, precision: Precision, seed: u64) -> Vec<u8> {
     let bytes = precision.element_bytes();
     let mut out = vec![0u8; count * bytes];
-    out.par_chunks_mut(1 << 20).enumerate().for_each(|(i, chunk)| {
-        let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
-        match precision {
-            Precision::Int8 => chunk.iter_mut().for_each(|b| *b = rng.random_range(-100i8..=100) as u8),
-            Precision::Fp8 => chunk
-                .iter_mut()
-                .for_each(|b| *b = burn_slidesparse::fp8::f32_to_e4m3(rng.random_range(-4.0f32..4.0))),
-            _ => chunk.chunks_exact_mut(2).for_each(|c| {
-                let v = half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes();
-                c.copy_from_slice(&v)
-            }),
-        }
-    });
+    out.par_chunks_mut(1 << 20)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
+            match precision {
+                Precision::Int8 => chunk
+                    .iter_mut()
+                    .for_each(|b| *b = rng.random_range(-100i8..=100) as u8),
+                Precision::Fp8 => chunk.iter_mut().for_each(|b| {
+                    *b = burn_slidesparse::fp8::f32_to_e4m3(rng.random_range(-4.0f32..4.0))
+                }),
+                _ => chunk.chunks_exact_mut(2).for_each(|c| {
+                    let v = half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes();
+                    c.copy_from_slice(&v)
+                }),
+            }
+        });
     out
 }
 
 /// Zeroes 2 of every 4 elements along K' (rows of length `k`), at random lanes: a valid 2:4.
 fn make_2_4(codes: &mut [u8], k: usize, elem: usize, seed: u64) {
-    codes.par_chunks_mut(k * elem).enumerate().for_each(|(r, row)| {
-        let mut rng = StdRng::seed_from_u64(seed + r as u64);
-        for group in row.chunks_mut(4 * elem) {
-            let keep_a = rng.random_range(0..4);
-            let keep_b = (keep_a + rng.random_range(1..4)) % 4;
-            for (lane, e) in group.chunks_mut(elem).enumerate() {
-                if lane != keep_a && lane != keep_b {
-                    e.fill(0);
+    codes
+        .par_chunks_mut(k * elem)
+        .enumerate()
+        .for_each(|(r, row)| {
+            let mut rng = StdRng::seed_from_u64(seed + r as u64);
+            for group in row.chunks_mut(4 * elem) {
+                let keep_a = rng.random_range(0..4);
+                let keep_b = (keep_a + rng.random_range(1..4)) % 4;
+                for (lane, e) in group.chunks_mut(elem).enumerate() {
+                    if lane != keep_a && lane != keep_b {
+                        e.fill(0);
+                    }
                 }
             }
-        }
-    });
+        });
 }
 
 struct Events {
@@ -159,16 +166,29 @@ fn parse_list(s: &str) -> Vec<String> {
 }
 
 fn gemm_bench(args: &Args) {
-    let ms: Vec<usize> = parse_list(&args.m).iter().map(|v| v.parse().expect("M")).collect();
-    let precisions: Vec<Precision> = parse_list(&args.precisions).iter().map(|p| p.parse().unwrap()).collect();
-    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns).iter().map(|p| p.parse().unwrap()).collect();
+    let ms: Vec<usize> = parse_list(&args.m)
+        .iter()
+        .map(|v| v.parse().expect("M"))
+        .collect();
+    let precisions: Vec<Precision> = parse_list(&args.precisions)
+        .iter()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns)
+        .iter()
+        .map(|p| p.parse().unwrap())
+        .collect();
     let state = device_state(0).expect("GPU state");
     let mut st = state.lock().unwrap();
     st.make_current().unwrap();
     let stream = st.stream;
     let events = Events::new(args.reps);
     let workspace = Buf::new(SPARSE_WORKSPACE.max(WORKSPACE));
-    println!("GPU: {}, cuSPARSELt {}", st.gpu_name, cusparselt::version_string(st.lt.version));
+    println!(
+        "GPU: {}, cuSPARSELt {}",
+        st.gpu_name,
+        cusparselt::version_string(st.lt.version)
+    );
     // results[(model, precision, M)] = (dense ms, [sparse ms per pattern])
     let mut results: BTreeMap<(String, String, usize), (f64, Vec<f64>)> = BTreeMap::new();
     let started = Instant::now();
@@ -188,7 +208,10 @@ fn gemm_bench(args: &Args) {
                     let desc = MatDescriptor::structured(&st.lt, kp, n, precision).unwrap();
                     let sizes = cusparselt::compressed_sizes(&st.lt, &desc).unwrap();
                     let (comp, buf) = (Buf::new(sizes.compressed), Buf::new(sizes.buffer));
-                    unsafe { cusparselt::compress(&st.lt, &desc, w.0, comp.0, buf.0, stream as _).unwrap() };
+                    unsafe {
+                        cusparselt::compress(&st.lt, &desc, w.0, comp.0, buf.0, stream as _)
+                            .unwrap()
+                    };
                     st.synchronize().unwrap();
                     desc.destroy(&st.lt).unwrap();
                     sparse_w.push((kp, comp));
@@ -198,51 +221,91 @@ fn gemm_bench(args: &Args) {
                     let kmax = sparse_w.iter().map(|(kp, _)| *kp).max().unwrap_or(k).max(k);
                     let x_bytes = m_pad * kmax * elem;
                     let rot = rotation(x_bytes);
-                    let xs: Vec<Buf> = (0..rot).map(|i| Buf::upload(&random_codes(m_pad * kmax, precision, 10 + i as u64))).collect();
+                    let xs: Vec<Buf> = (0..rot)
+                        .map(|i| Buf::upload(&random_codes(m_pad * kmax, precision, 10 + i as u64)))
+                        .collect();
                     let out = Buf::new(m_pad * n * out_bytes);
-                    let dshape = DenseShape { m_pad, n, k, precision };
+                    let dshape = DenseShape {
+                        m_pad,
+                        n,
+                        k,
+                        precision,
+                    };
                     let dense_ms = {
                         let dense = st.dense_gemm().unwrap();
                         events.median_ms(stream, 5, |i| unsafe {
-                            dense.run(dshape, dense_w.0, xs[i % rot].0, out.0, workspace.0, stream as _).unwrap()
+                            dense
+                                .run(
+                                    dshape,
+                                    dense_w.0,
+                                    xs[i % rot].0,
+                                    out.0,
+                                    workspace.0,
+                                    stream as _,
+                                )
+                                .unwrap()
                         })
                     };
                     let mut sparse_ms = Vec::new();
                     for (kp, comp) in &sparse_w {
-                        let shape = GemmShape { m_pad, n_pad: n, k_prime: *kp, precision };
+                        let shape = GemmShape {
+                            m_pad,
+                            n_pad: n,
+                            k_prime: *kp,
+                            precision,
+                        };
                         if st.needs_search(&shape) {
                             let lt = &st.lt as *const _;
                             let plan = st.plan(shape).unwrap();
                             // SAFETY: `lt` outlives this call; plan and handle are distinct fields.
-                            let id = unsafe { plan.search(&*lt, comp.0, xs[0].0, out.0, workspace.0, stream as _) }.unwrap();
+                            let id = unsafe {
+                                plan.search(&*lt, comp.0, xs[0].0, out.0, workspace.0, stream as _)
+                            }
+                            .unwrap();
                             st.remember(&shape, id);
                         }
                         let lt = &st.lt as *const _;
                         let plan = st.plan(shape).unwrap();
-                        assert!(plan.workspace <= SPARSE_WORKSPACE, "workspace {} too large", plan.workspace);
+                        assert!(
+                            plan.workspace <= SPARSE_WORKSPACE,
+                            "workspace {} too large",
+                            plan.workspace
+                        );
                         sparse_ms.push(events.median_ms(stream, 5, |i| unsafe {
-                            plan.run(&*lt, comp.0, xs[i % rot].0, out.0, workspace.0, stream as _).unwrap()
+                            plan.run(&*lt, comp.0, xs[i % rot].0, out.0, workspace.0, stream as _)
+                                .unwrap()
                         }));
                     }
-                    let e = results.entry((model.clone(), precision.to_string(), m)).or_insert((0.0, vec![0.0; patterns.len()]));
+                    let e = results
+                        .entry((model.clone(), precision.to_string(), m))
+                        .or_insert((0.0, vec![0.0; patterns.len()]));
                     e.0 += dense_ms;
                     e.1.iter_mut().zip(&sparse_ms).for_each(|(a, b)| *a += b);
                     eprintln!(
                         "[{:>5.0}s] {model} {n}x{k} {precision} M={m}: dense {dense_ms:.4} ms, sparse {:?}",
                         started.elapsed().as_secs_f64(),
-                        sparse_ms.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>()
+                        sparse_ms
+                            .iter()
+                            .map(|v| format!("{v:.4}"))
+                            .collect::<Vec<_>>()
                     );
                 }
             }
         }
     }
     let header: Vec<String> = patterns.iter().map(|p| p.to_string()).collect();
-    println!("\n| model | precision | M | dense ms | {} |", header.join(" | "));
+    println!(
+        "\n| model | precision | M | dense ms | {} |",
+        header.join(" | ")
+    );
     println!("|---|---|---|---|{}", "---|".repeat(patterns.len()));
     let mut json = Vec::new();
     for ((model, precision, m), (dense, sparse)) in &results {
         let ratios: Vec<String> = sparse.iter().map(|s| format!("{:.2}", dense / s)).collect();
-        println!("| {model} | {precision} | {m} | {dense:.3} | {} |", ratios.join(" | "));
+        println!(
+            "| {model} | {precision} | {m} | {dense:.3} | {} |",
+            ratios.join(" | ")
+        );
         json.push(serde_json::json!({
             "model": model, "precision": precision, "m": m, "dense_ms": dense,
             "sparse_ms": header.iter().cloned().zip(sparse.iter().cloned()).collect::<BTreeMap<_, _>>(),
