@@ -79,7 +79,7 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar>(
     #[comptime] n: u32,
     #[comptime] mode: LiftMode,
 ) {
-    let row = CUBE_POS as usize;
+    let row = CUBE_POS;
     let qmax = comptime!(match mode {
         LiftMode::Fp8 => 448.0f32,
         _ => 127.0f32,

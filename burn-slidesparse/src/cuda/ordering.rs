@@ -24,7 +24,10 @@
 //! Each burn thread gets its own lane (stream, flags, epoch, workspace), because each burn
 //! thread has its own cubecl stream and epochs must increase monotonically per stream.
 
-use std::{collections::HashMap, thread::ThreadId};
+use std::{
+    collections::{HashMap, hash_map::Entry},
+    thread::ThreadId,
+};
 
 use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
 use cubecl_kernels::stream_sync::{signal_kernel, wait_kernel};
@@ -150,11 +153,10 @@ pub struct Lanes {
 impl Lanes {
     /// This thread's lane, created on first use.
     pub fn current(&mut self, client: &Client) -> Result<&mut Lane> {
-        let id = std::thread::current().id();
-        if !self.lanes.contains_key(&id) {
-            self.lanes.insert(id, Lane::new(client)?);
+        match self.lanes.entry(std::thread::current().id()) {
+            Entry::Occupied(lane) => Ok(lane.into_mut()),
+            Entry::Vacant(slot) => Ok(slot.insert(Lane::new(client)?)),
         }
-        Ok(self.lanes.get_mut(&id).expect("inserted above"))
     }
 
     /// Errors if any wait kernel timed out (reads device flags: synchronizes).
@@ -208,15 +210,19 @@ pub fn run_ordered(
             }
             // No flush needed: cubecl submits burn's stream in order, so the signal kernel
             // is submitted before the wait kernel that depends on our stream.
-            side.wait(
-                lane.stream,
-                lane.ready_ptr,
-                epoch,
-                lane.timed_out_ptr,
-                MAX_SPINS,
-            )?;
+            // SAFETY: the flag pointers are live cubecl allocations held by the lane.
+            unsafe {
+                side.wait(
+                    lane.stream,
+                    lane.ready_ptr,
+                    epoch,
+                    lane.timed_out_ptr,
+                    MAX_SPINS,
+                )?
+            };
             enqueue(lane.stream)?;
-            side.signal(lane.stream, lane.done_ptr, epoch)?;
+            // SAFETY: as above.
+            unsafe { side.signal(lane.stream, lane.done_ptr, epoch)? };
             // SAFETY: as above.
             unsafe {
                 wait_kernel::launch_unchecked::<Runtime>(

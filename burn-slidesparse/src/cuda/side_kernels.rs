@@ -66,7 +66,11 @@ impl SideKernels {
 
     /// Enqueues on `stream` a wait until `*flag >= epoch` (or `max_spins` polls, recording
     /// `epoch` in `*timed_out`).
-    pub fn wait(
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the current context; `flag` and `timed_out` live
+    /// device pointers to `u32`s.
+    pub unsafe fn wait(
         &self,
         stream: sys::CUstream,
         flag: u64,
@@ -88,7 +92,10 @@ impl SideKernels {
     }
 
     /// Enqueues on `stream` the store `*flag = epoch` (after all prior work of `stream`).
-    pub fn signal(&self, stream: sys::CUstream, flag: u64, epoch: u32) -> Result<()> {
+    ///
+    /// # Safety
+    /// As for [`wait`](Self::wait).
+    pub unsafe fn signal(&self, stream: sys::CUstream, flag: u64, epoch: u32) -> Result<()> {
         let (mut flag, mut epoch) = (flag, epoch);
         let mut params = [
             &mut flag as *mut u64 as *mut c_void,

@@ -34,6 +34,8 @@ use super::{Args, model_shapes, parse_list};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, bf16, i32, u8>;
+/// One SlideSparse layer per pattern.
+type SparseVariants = Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>;
 
 fn random_weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
     let mut w = vec![0f32; n * k];
@@ -113,11 +115,7 @@ pub fn layer_bench(args: &Args) {
             let bf16_linear = LinearConfig::new(k, n)
                 .with_bias(false)
                 .init::<GpuBf16>(&device);
-            let mut layers: Vec<(
-                Precision,
-                DenseLayerGpu,
-                Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>,
-            )> = Vec::new();
+            let mut layers: Vec<(Precision, DenseLayerGpu, SparseVariants)> = Vec::new();
             for &precision in &precisions {
                 let dense =
                     DenseLayerGpu::new(&client, 0, &quantize_weight(&w, n, k, precision), None)
