@@ -80,6 +80,7 @@ fn map_file(path: &Path) -> Result<memmap2::Mmap> {
 }
 
 fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
+    format::reject_duplicate_names(&path.display().to_string(), bytes)?;
     SafeTensors::deserialize(bytes).map_err(|source| SlideSparseError::SafeTensors {
         path: path.display().to_string(),
         source,

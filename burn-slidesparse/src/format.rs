@@ -29,6 +29,8 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const VERSION_KEY: &str = "slidesparse.format_version";
 /// Metadata key of the layer list.
 pub const LAYERS_KEY: &str = "slidesparse.layers";
+/// Largest layer dimension a packed file may declare (2^31).
+pub const MAX_DIMENSION: usize = 1 << 31;
 /// Suffix of a packed weight tensor.
 pub const WEIGHT_SUFFIX: &str = ".slidesparse.weight";
 /// Suffix of a packed layer's scales.
@@ -223,6 +225,7 @@ impl PackedFile {
 
     /// Parses and fully checks a packed file held in memory; `path` is only for messages.
     pub fn from_bytes(path: &str, bytes: &[u8]) -> Result<Self> {
+        reject_duplicate_names(path, bytes)?;
         let (_, header) =
             SafeTensors::read_metadata(bytes).map_err(|source| SlideSparseError::SafeTensors {
                 path: path.to_string(),
@@ -247,6 +250,55 @@ impl PackedFile {
             .iter()
             .find(|l| l.name == name || prefix_of(&l.name) == name)
     }
+}
+
+/// Rejects a safetensors header that names a tensor twice. JSON parsers (and so the
+/// safetensors crate) silently keep the last of duplicated keys; a file like that is
+/// ambiguous, so it is an error here. Other header problems are left to the safetensors
+/// parser, which reports them.
+pub fn reject_duplicate_names(path: &str, bytes: &[u8]) -> Result<()> {
+    struct UniqueKeys;
+    impl<'de> serde::de::Visitor<'de> for UniqueKeys {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            // Consume the whole map (serde_json checks that it ends) and report the first
+            // duplicate.
+            let (mut seen, mut duplicate) = (std::collections::HashSet::new(), None);
+            while let Some(key) = map.next_key::<String>()? {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                if !seen.insert(key.clone()) && duplicate.is_none() {
+                    duplicate = Some(key);
+                }
+            }
+            Ok(duplicate)
+        }
+    }
+    let Some(len) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    else {
+        return Ok(()); // too short: the safetensors parser reports it
+    };
+    let Some(header) = usize::try_from(len)
+        .ok()
+        .and_then(|n| bytes.get(8..8usize.checked_add(n)?))
+    else {
+        return Ok(());
+    };
+    let mut de = serde_json::Deserializer::from_slice(header);
+    if let Ok(Some(name)) = serde::Deserializer::deserialize_map(&mut de, UniqueKeys) {
+        return Err(SlideSparseError::packed(
+            path,
+            format!("tensor {name:?} is listed twice in the header"),
+        ));
+    }
+    Ok(())
 }
 
 /// Reads and checks the version and layer list of a packed file's metadata.
@@ -360,6 +412,19 @@ fn read_layer(path: &str, st: &SafeTensors<'_>, meta: &LayerMeta) -> Result<Pack
         SlideSparseError::packed(path, format!("layer {:?}: {detail}", meta.prefix))
     };
     check_alignment(meta.alignment, meta.precision).map_err(|e| bad(e.to_string()))?;
+    // Bound the sizes before any arithmetic on them (no overflow, no absurd allocation).
+    for (what, value) in [
+        ("in_features", meta.in_features),
+        ("out_features", meta.out_features),
+        ("k_prime", meta.k_prime),
+        ("alignment", meta.alignment),
+    ] {
+        if value > MAX_DIMENSION {
+            return Err(bad(format!(
+                "{what} = {value} exceeds the supported maximum {MAX_DIMENSION}"
+            )));
+        }
+    }
     let geometry = meta.pattern.geometry(meta.in_features, meta.alignment);
     if meta.k_prime != geometry.k_prime() {
         return Err(bad(format!(
@@ -411,4 +476,22 @@ fn read_layer(path: &str, st: &SafeTensors<'_>, meta: &LayerMeta) -> Result<Pack
     };
     layer.validate().map_err(|e| bad(e.to_string()))?;
     Ok(layer)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn duplicate_tensor_names_are_found_anywhere_in_the_header() {
+        for header in [
+            &br#"{"a":{"x":1},"a":{"x":1}}  "#[..],
+            &br#"{"__metadata__":{"k":"[{\"p\":1}]"},"a":{"x":[1,2]},"a":{"x":[1,2]},"b":{}}"#[..],
+        ] {
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend(header);
+            let err = super::reject_duplicate_names("t", &bytes)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("\"a\" is listed twice"), "{err}");
+        }
+    }
 }

@@ -125,6 +125,23 @@ impl<B: Backend> SlideSparseLinear<B> {
         }
     }
 
+    /// Loads layer `name` (its source weight name or prefix) from a packed safetensors file;
+    /// the file is fully checked first.
+    pub fn from_packed_file(
+        path: &std::path::Path,
+        name: &str,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let file = crate::format::PackedFile::load(path)?;
+        let layer = file
+            .layer(name)
+            .ok_or_else(|| SlideSparseError::MissingTensor {
+                name: name.to_string(),
+                path: path.display().to_string(),
+            })?;
+        Ok(Self::from_packed(layer, device))
+    }
+
     /// Prunes, quantizes and packs a `burn::nn::Linear` (weight layout `[in, out]`).
     pub fn from_linear(linear: &Linear<B>, options: &PackOptions) -> Result<Self> {
         let weight = linear.weight.val();

@@ -79,6 +79,23 @@ fn packed_layers_round_trip_through_the_file_format() {
     format::save_layers(&path, &layers).unwrap();
     let loaded = PackedFile::load(&path).unwrap();
     assert_eq!(loaded.layers, layers);
+    // And straight into a module, by source name or prefix.
+    let module = burn_slidesparse::SlideSparseLinear::<B>::from_packed_file(
+        &path,
+        "layer2",
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(module.to_packed("layer2.weight").unwrap(), layers[2]);
+    let missing = burn_slidesparse::SlideSparseLinear::<B>::from_packed_file(
+        &path,
+        "nope",
+        &Default::default(),
+    );
+    assert!(matches!(
+        missing,
+        Err(SlideSparseError::MissingTensor { .. })
+    ));
 }
 
 /// Rewrites one packed file's header JSON (metadata) through `edit`.
