@@ -310,15 +310,8 @@ pub fn pack_linear(
             [b.len()],
         ));
     }
-    let pruned = prune::prune(
-        name,
-        weight,
-        out_features,
-        in_features,
-        options.pattern,
-        &options.prune,
-    )?;
-    let quantized = quantize_weight(&pruned, out_features, in_features, options.precision);
+    let (pruned, quantized) =
+        prune_then_quantize(name, weight, out_features, in_features, options)?;
     let geometry = options.pattern.geometry(in_features, options.alignment);
     let slid = map_codes!(&quantized.codes, v => slide::slide_matrix(v, out_features, &geometry)
         .map_err(|f| slide_failure(name, options.pattern, in_features, f))?);
@@ -364,6 +357,17 @@ pub fn prune_and_quantize(
     in_features: usize,
     options: &PackOptions,
 ) -> Result<QuantizedWeight> {
+    prune_then_quantize(name, weight, out_features, in_features, options).map(|(_, q)| q)
+}
+
+/// The first two packer stages; the pruned f32 weight is kept for the statistics.
+fn prune_then_quantize(
+    name: &str,
+    weight: &[f32],
+    out_features: usize,
+    in_features: usize,
+    options: &PackOptions,
+) -> Result<(Vec<f32>, QuantizedWeight)> {
     let pruned = prune::prune(
         name,
         weight,
@@ -372,12 +376,8 @@ pub fn prune_and_quantize(
         options.pattern,
         &options.prune,
     )?;
-    Ok(quantize_weight(
-        &pruned,
-        out_features,
-        in_features,
-        options.precision,
-    ))
+    let quantized = quantize_weight(&pruned, out_features, in_features, options.precision);
+    Ok((pruned, quantized))
 }
 
 fn slide_failure(
