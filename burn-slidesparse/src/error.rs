@@ -82,6 +82,9 @@ pub enum SlideSparseError {
     #[error("packed file {path}: {detail}")]
     InvalidPackedFile { path: String, detail: String },
 
+    #[error("GGUF file {path}: {detail}")]
+    InvalidGguf { path: String, detail: String },
+
     #[error("tensor {name:?} not found in {path}")]
     MissingTensor { name: String, path: String },
 

@@ -27,3 +27,4 @@ pub mod swap;
 pub use swap::{MaybeSparseLinear, VisitLinears, sparsify};
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gguf;
