@@ -50,12 +50,12 @@ fn write_gguf(metadata: &[(&str, u32, Vec<u8>)], tensors: &[Tensor]) -> Vec<u8> 
         out.extend(offset.to_le_bytes());
         offset += (data.len() as u64).next_multiple_of(32);
     }
-    while out.len() % 32 != 0 {
+    while !out.len().is_multiple_of(32) {
         out.push(0);
     }
     for (_, _, _, data) in tensors {
         out.extend(data);
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
     }
