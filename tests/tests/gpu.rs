@@ -265,3 +265,49 @@ fn flag_ordering_matches_host_ordering_bit_for_bit() {
         assert_eq!(flags[i], flags[i + 8]);
     }
 }
+
+/// The dense baseline (same quantization kernel without lift, cuBLASLt, same epilogue)
+/// against a host computation of the same W8A8 arithmetic.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn dense_baseline_matches_host_w8a8() {
+    use burn_slidesparse::{
+        cuda::dense::DenseLayerGpu, quant::quantize_weight, reference::ACTIVATION_EPS,
+    };
+    let client = CudaRuntime::client(&Default::default());
+    let mut rng = rng(104);
+    for precision in [Precision::Int8, Precision::Fp8] {
+        let (m, k, n) = (37, 1000, 320);
+        let w = random_f32(&mut rng, n * k);
+        let b = random_f32(&mut rng, n);
+        let qw = quantize_weight(&w, n, k, precision);
+        let layer = DenseLayerGpu::new(&client, 0, &qw, Some(&b)).unwrap();
+        let x = random_f32(&mut rng, m * k);
+        let xg =
+            Tensor::<Gpu, 2>::from_data(TensorData::new(x.clone(), [m, k]), &Default::default());
+        let y = layer.forward::<f32>(&xg.into_primitive().tensor()).unwrap();
+        let y = Tensor::<Gpu, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(y))
+            .into_data()
+            .into_vec::<f32>()
+            .unwrap();
+        let wq = qw.codes.to_f32();
+        let qmax = precision.qmax().unwrap();
+        let mut expected = vec![0f32; m * n];
+        for i in 0..m {
+            let row = &x[i * k..(i + 1) * k];
+            let s = row
+                .iter()
+                .fold(0f32, |a, v| a.max(v.abs()))
+                .max(ACTIVATION_EPS)
+                / qmax;
+            let q: Vec<f32> = row.iter().map(|&v| precision.quantize(v, s)).collect();
+            for j in 0..n {
+                let acc: f64 = (0..k).map(|t| q[t] as f64 * wq[j * k + t] as f64).sum();
+                expected[i * n + j] = (acc as f32) * s * qw.scales[j] + b[j];
+            }
+        }
+        let err = rel_err(&y, &expected);
+        println!("dense {precision}: rel err {err:.2e}");
+        assert!(err < tolerance(precision), "{precision}: {err}");
+    }
+}
