@@ -1,1 +1,6 @@
+//! Shared code of the examples: a Llama-architecture model with swappable linear layers and
+//! its GGUF loader.
 
+pub mod gguf_llama;
+pub mod llama;
+pub mod tokenizer;
