@@ -189,8 +189,11 @@ pub fn pre_tokenize(text: &str) -> Vec<String> {
             continue;
         }
         let start = i;
-        let lead_space =
-            chars[i] == ' ' && i + 1 < chars.len() && class(chars[i + 1]) != Class::Space;
+        // A single leading space joins letters and other symbols, never digits (SmolLM
+        // splits digits off before the GPT-2 pattern runs).
+        let lead_space = chars[i] == ' '
+            && i + 1 < chars.len()
+            && !matches!(class(chars[i + 1]), Class::Space | Class::Digit);
         let j = if lead_space { i + 1 } else { i };
         let kind = class(chars[j]);
         let mut end = j + 1;

@@ -1,0 +1,280 @@
+//! The example model: dense-vs-sparse logits agreement, KV cache consistency, the GGUF
+//! loader on a tiny file written here, and the tokenizer round trip.
+
+use burn::{
+    backend::NdArray,
+    tensor::{Int, Tensor, TensorData},
+};
+use burn_slidesparse::{
+    PackOptions, Precision, SparsityPattern, VisitLinears, gguf::GgufFile, sparsify,
+};
+use slidesparse_examples::{
+    gguf_llama::load_llama,
+    llama::{KvCache, Llama, LlamaConfig},
+    tokenizer::{Tokenizer, pre_tokenize},
+};
+
+type B = NdArray;
+
+fn tiny_config() -> LlamaConfig {
+    LlamaConfig::new(64, 32, 48, 2, 4, 2).with_max_seq_len(64)
+}
+
+fn tokens(ids: &[i64]) -> Tensor<B, 2, Int> {
+    Tensor::from_data(
+        TensorData::new(ids.to_vec(), [1, ids.len()]),
+        &Default::default(),
+    )
+}
+
+fn logits(model: &Llama<B>, ids: &[i64]) -> Vec<f32> {
+    model
+        .forward(tokens(ids), &mut KvCache::default())
+        .into_data()
+        .into_vec()
+        .unwrap()
+}
+
+/// Prunes every block linear of a dense model in place (so the dense model is exactly what
+/// the packer will keep).
+fn prune_dense_in_place(model: &mut Llama<B>, pattern: SparsityPattern) {
+    model
+        .visit_linears(&mut |name, layer| {
+            if name == "lm_head" {
+                return Ok(());
+            }
+            let dense = layer.dense().unwrap().clone();
+            let w = dense.weight.val();
+            let [i, o] = w.dims();
+            let wt: Vec<f32> = w.clone().transpose().into_data().into_vec().unwrap();
+            let pruned =
+                burn_slidesparse::prune::prune(name, &wt, o, i, pattern, &Default::default())?;
+            let t = Tensor::<B, 2>::from_data(TensorData::new(pruned, [o, i]), &Default::default())
+                .transpose();
+            *layer = burn::nn::Linear {
+                weight: burn::module::Param::from_tensor(t),
+                bias: dense.bias.clone(),
+            }
+            .into();
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn sparse_model_matches_the_pruned_dense_model() {
+    let device = Default::default();
+    for pattern in [SparsityPattern::P6_8, SparsityPattern::P2_4] {
+        let mut dense = tiny_config().init::<B>(&device);
+        prune_dense_in_place(&mut dense, pattern);
+        let mut sparse = dense.clone();
+        let packed = sparsify(
+            &mut sparse,
+            &PackOptions::new(pattern, Precision::F32),
+            |n| n != "lm_head",
+        )
+        .unwrap();
+        assert_eq!(packed.len(), 14);
+        let ids = [3, 17, 42, 5, 9];
+        let (a, b) = (logits(&dense, &ids), logits(&sparse, &ids));
+        let err = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "{pattern}: max |diff| {err}");
+        // INT8 stays close (quantization error only).
+        let mut q = dense.clone();
+        sparsify(&mut q, &PackOptions::new(pattern, Precision::Int8), |n| {
+            n != "lm_head"
+        })
+        .unwrap();
+        let c = logits(&q, &ids);
+        let rel = (a.iter().zip(&c).map(|(x, y)| (x - y).powi(2)).sum::<f32>()
+            / a.iter().map(|x| x * x).sum::<f32>())
+        .sqrt();
+        assert!(rel < 0.05, "{pattern} int8: rel {rel}");
+    }
+}
+
+#[test]
+fn kv_cache_gives_the_same_logits_as_a_full_pass() {
+    let model = tiny_config().init::<B>(&Default::default());
+    let ids = [1i64, 2, 3, 4, 5, 6];
+    let full = model.forward(tokens(&ids), &mut KvCache::default());
+    let mut cache = KvCache::default();
+    model.forward(tokens(&ids[..4]), &mut cache);
+    let step = model.forward(tokens(&ids[4..5]), &mut cache);
+    let last = model.forward(tokens(&ids[5..]), &mut cache);
+    let full: Vec<f32> = full.into_data().into_vec().unwrap();
+    let v = 64;
+    for (pos, got) in [(4, step), (5, last)] {
+        let got: Vec<f32> = got.into_data().into_vec().unwrap();
+        let want = &full[pos * v..(pos + 1) * v];
+        let err = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "position {pos}: {err}");
+    }
+}
+
+fn gguf_string(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+/// A tiny Llama GGUF with F32 tensors taken from a random model, plus a 5-token vocabulary.
+fn tiny_gguf(model: &Llama<B>, config: &LlamaConfig) -> Vec<u8> {
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut add = |name: String, t: Tensor<B, 2>| {
+        let dims = t.dims().to_vec();
+        tensors.push((name, dims, t.into_data().into_vec().unwrap()));
+    };
+    add("token_embd.weight".into(), model.embed.weight.val());
+    let norm = |t: Tensor<B, 1>| t.unsqueeze::<2>();
+    add("output_norm.weight".into(), norm(model.norm.gamma.val()));
+    for (i, b) in model.blocks.iter().enumerate() {
+        let w = |l: &burn_slidesparse::MaybeSparseLinear<B>| {
+            l.dense().unwrap().weight.val().transpose()
+        };
+        add(
+            format!("blk.{i}.attn_norm.weight"),
+            norm(b.attn_norm.gamma.val()),
+        );
+        add(
+            format!("blk.{i}.ffn_norm.weight"),
+            norm(b.mlp_norm.gamma.val()),
+        );
+        for (n, l) in [
+            ("attn_q", &b.q),
+            ("attn_k", &b.k),
+            ("attn_v", &b.v),
+            ("attn_output", &b.o),
+            ("ffn_gate", &b.gate),
+            ("ffn_up", &b.up),
+            ("ffn_down", &b.down),
+        ] {
+            add(format!("blk.{i}.{n}.weight"), w(l));
+        }
+    }
+    let mut kv: Vec<(String, u32, Vec<u8>)> = Vec::new();
+    let mut s = Vec::new();
+    gguf_string(&mut s, "llama");
+    kv.push(("general.architecture".into(), 8, s));
+    for (k, v) in [
+        ("llama.embedding_length", config.hidden),
+        ("llama.feed_forward_length", config.intermediate),
+        ("llama.block_count", config.layers),
+        ("llama.attention.head_count", config.heads),
+        ("llama.attention.head_count_kv", config.kv_heads),
+    ] {
+        kv.push((k.into(), 4, (v as u32).to_le_bytes().to_vec()));
+    }
+    kv.push((
+        "llama.rope.freq_base".into(),
+        6,
+        config.rope_base.to_le_bytes().to_vec(),
+    ));
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kv.len() as u64).to_le_bytes());
+    for (k, t, v) in &kv {
+        gguf_string(&mut out, k);
+        out.extend(t.to_le_bytes());
+        out.extend(v);
+    }
+    let mut offset = 0u64;
+    for (name, dims, values) in &tensors {
+        // 1-row norms are stored 1-D, as in real files.
+        let ggml_dims: Vec<u64> = if dims[0] == 1 {
+            vec![dims[1] as u64]
+        } else {
+            vec![dims[1] as u64, dims[0] as u64]
+        };
+        gguf_string(&mut out, name);
+        out.extend((ggml_dims.len() as u32).to_le_bytes());
+        ggml_dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
+        out.extend(0u32.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offset += (values.len() as u64 * 4).next_multiple_of(32);
+    }
+    while !out.len().is_multiple_of(32) {
+        out.push(0);
+    }
+    for (_, _, values) in &tensors {
+        values.iter().for_each(|v| out.extend(v.to_le_bytes()));
+        while !out.len().is_multiple_of(32) {
+            out.push(0);
+        }
+    }
+    out
+}
+
+#[test]
+fn gguf_loader_reproduces_the_model_and_reports_missing_tensors() {
+    let config = tiny_config();
+    let model = config.init::<B>(&Default::default());
+    let bytes = tiny_gguf(&model, &config);
+    let file = GgufFile::parse("tiny", &bytes).unwrap();
+    let loaded = load_llama::<B>(&file, 64, &Default::default()).unwrap();
+    let ids = [7, 8, 9];
+    // The random model's head is its tied embedding, as the loader builds it.
+    let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
+    let err = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(err < 1e-5, "{err}");
+    // A file without one block tensor is an error naming it.
+    let mut renamed = bytes.clone();
+    let pos = renamed
+        .windows(19)
+        .position(|w| w == b"blk.1.ffn_up.weight")
+        .unwrap();
+    renamed[pos + 10..pos + 12].copy_from_slice(b"XX");
+    let file = GgufFile::parse("tiny", &renamed).unwrap();
+    let err = load_llama::<B>(&file, 64, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blk.1.ffn_up.weight"), "{err}");
+}
+
+#[test]
+fn pre_tokenizer_follows_gpt2_with_single_digits() {
+    assert_eq!(pre_tokenize("Hello world"), ["Hello", " world"]);
+    assert_eq!(
+        pre_tokenize("it's 2024!"),
+        ["it", "'s", " ", "2", "0", "2", "4", "!"]
+    );
+    assert_eq!(pre_tokenize("a  b"), ["a", " ", " b"]);
+    assert_eq!(pre_tokenize("x\n\ny"), ["x", "\n\n", "y"]);
+}
+
+/// Round trip on the real SmolLM2 tokenizer when the model is in the cache (skipped
+/// otherwise: CI has no model).
+#[test]
+fn tokenizer_round_trips_on_smollm2_when_available() {
+    let Some(home) = std::env::var_os("HOME") else {
+        return;
+    };
+    let path = std::path::Path::new(&home)
+        .join(".cache/burn-slidesparse/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let Ok(bytes) = std::fs::read(&path) else {
+        eprintln!("SmolLM2 not cached: skipping the real-tokenizer round trip");
+        return;
+    };
+    let file = GgufFile::parse("smollm2", &bytes).unwrap();
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    for text in [
+        "Once upon a time, there was a little girl.",
+        "x = 12345; // naïve café ✓\n\tdone",
+    ] {
+        let ids = tok.encode(text);
+        assert!(ids.len() < text.len());
+        assert_eq!(tok.decode(&ids), text);
+    }
+}
