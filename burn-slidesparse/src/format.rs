@@ -117,7 +117,8 @@ fn dtype_of(precision: Precision) -> Dtype {
     }
 }
 
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
+/// Little-endian bytes of f32 values.
+pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 

@@ -36,6 +36,7 @@ use super::{
 use crate::{
     backend::{LayerSpec, PackedTensors, SlideSparseBackend},
     error::{Result, SlideSparseError},
+    format::f32_bytes,
     quant::Precision,
 };
 
@@ -126,10 +127,6 @@ fn weight_bytes(
     codes
 }
 
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
 fn host_f32<B: burn::tensor::backend::Backend, const D: usize>(
     t: Tensor<B, D>,
 ) -> Result<Vec<f32>> {
@@ -193,7 +190,7 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
         cusparselt::compress(&guard.lt, &desc, p_dense, p_comp, p_buf, guard.stream as _)?;
     }
     guard.synchronize()?;
-    drop(desc_destroy(&guard, desc));
+    desc.destroy(&guard.lt)?;
     let flag = client
         .read_one(valid)
         .map_err(|e| backend_err(format!("reading PruneCheck result: {e:?}")))?;
@@ -214,11 +211,6 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
         bias,
         state,
     })
-}
-
-/// Destroys a standalone descriptor (plans own theirs).
-fn desc_destroy(state: &DeviceState, desc: MatDescriptor) -> Result<()> {
-    desc.destroy(&state.lt)
 }
 
 fn lift_mode(precision: Precision) -> LiftMode {

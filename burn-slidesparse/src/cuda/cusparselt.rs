@@ -250,7 +250,8 @@ pub struct GemmShape {
 pub struct SparsePlan {
     plan: Box<Opaque>,
     alg: Box<Opaque>,
-    matmul: Box<Opaque>,
+    /// The plan keeps a pointer into it: owned here so it outlives the plan.
+    _matmul: Box<Opaque>,
     _descs: [OwnedDescriptor; 3],
     pub workspace: usize,
     pub config_id: i32,
@@ -339,7 +340,7 @@ impl SparsePlan {
         let mut this = Self {
             plan,
             alg,
-            matmul,
+            _matmul: matmul,
             _descs: [weight, act, out],
             workspace,
             config_id: config_id.unwrap_or(0),
@@ -447,11 +448,11 @@ impl SparsePlan {
 impl Drop for SparsePlan {
     fn drop(&mut self) {
         // SAFETY: initialized in `new`; destroyed once, plan before its selection, and the
-        // descriptors (fields) after both.
+        // descriptors (fields) after both. The matmul descriptor has no destroy call in
+        // cuSPARSELt; its box is freed with the plan.
         unsafe {
             (self.destroy_plan)(&*self.plan);
             (self.destroy_alg)(&*self.alg);
         }
-        let _ = &self.matmul;
     }
 }

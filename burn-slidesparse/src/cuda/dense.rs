@@ -15,6 +15,7 @@ use super::{
 };
 use crate::{
     error::{Result, SlideSparseError},
+    format::f32_bytes,
     quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
@@ -55,7 +56,6 @@ impl DenseLayerGpu {
             bytes[r * k_pad * elem..(r * k_pad + k) * elem]
                 .copy_from_slice(&src[r * k * elem..(r + 1) * k * elem]);
         }
-        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>();
         debug_assert!(!matches!(weight.codes, WeightCodes::F32(_)));
         Ok(Self {
             n,
