@@ -1,0 +1,125 @@
+//! Perplexity of SmolLM2 (dense and SlideSparse) over a text file, with sliding windows and
+//! exact token counts (every token after the first is scored exactly once).
+//!
+//! `cargo run --release -p slidesparse-examples --example perplexity -- --text FILE [--max-tokens N]
+//!   [--window 512] [--stride 256] [--patterns 2:4,6:8] [--precisions f32,int8]`
+
+use std::{path::PathBuf, time::Instant};
+
+use burn::{
+    backend::NdArray,
+    tensor::{Int, Tensor, TensorData, activation::log_softmax},
+};
+use burn_slidesparse::{
+    PackOptions, Precision, PruneMethod, SparsityPattern, gguf::GgufFile, sparsify,
+};
+use clap::Parser;
+use slidesparse_examples::{
+    gguf_llama::load_llama,
+    llama::{KvCache, Llama},
+    tokenizer::Tokenizer,
+};
+
+type B = NdArray;
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long)]
+    text: PathBuf,
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    #[arg(long, default_value_t = 2048)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    #[arg(long, default_value_t = 256)]
+    stride: usize,
+    #[arg(long, default_value = "2:4,4:6,6:8,8:10")]
+    patterns: String,
+    #[arg(long, default_value = "f32,int8")]
+    precisions: String,
+}
+
+/// (negative log-likelihood sum, scored tokens) over sliding windows.
+fn nll(model: &Llama<B>, ids: &[u32], window: usize, stride: usize) -> (f64, usize) {
+    let device = Default::default();
+    let (mut total, mut count, mut scored_until) = (0.0f64, 0usize, 1usize);
+    let mut start = 0;
+    loop {
+        let end = (start + window).min(ids.len());
+        let chunk: Vec<i64> = ids[start..end].iter().map(|&i| i as i64).collect();
+        let n = chunk.len();
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(chunk.clone(), [1, n]), &device);
+        let logp = log_softmax(model.forward(input, &mut KvCache::default()), 2);
+        let logp: Vec<f32> = logp.into_data().into_vec().unwrap();
+        let vocab = logp.len() / n;
+        // Score target positions not scored by an earlier window.
+        for pos in scored_until.max(start + 1)..end {
+            let local = pos - start;
+            total -= logp[(local - 1) * vocab + chunk[local] as usize] as f64;
+            count += 1;
+        }
+        scored_until = end;
+        if end == ids.len() {
+            return (total, count);
+        }
+        start += stride;
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let path = match &args.gguf {
+        Some(p) => p.clone(),
+        None => {
+            let home = std::env::var_os("HOME").ok_or("HOME is not set; pass --gguf")?;
+            PathBuf::from(home)
+                .join(".cache/burn-slidesparse/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        }
+    };
+    let bytes = std::fs::read(&path).map_err(|e| {
+        format!(
+            "{}: {e} (run the generate example once, or pass --gguf)",
+            path.display()
+        )
+    })?;
+    let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    let text = std::fs::read_to_string(&args.text)?;
+    let mut ids = tok.encode(&text);
+    ids.truncate(args.max_tokens);
+    println!(
+        "{} tokens of {}, window {}, stride {}",
+        ids.len(),
+        args.text.display(),
+        args.window,
+        args.stride
+    );
+    let dense = load_llama::<B>(&file, args.window.max(2048), &Default::default())?;
+    let report = |name: &str, model: &Llama<B>| {
+        let t = Instant::now();
+        let (nll, n) = nll(model, &ids, args.window, args.stride);
+        println!(
+            "{name:<16} ppl {:>9.3}  ({n} tokens, {:.0} s)",
+            (nll / n as f64).exp(),
+            t.elapsed().as_secs_f64()
+        );
+    };
+    report("dense f32", &dense);
+    for pattern in args.patterns.split(',') {
+        for precision in args.precisions.split(',') {
+            let (pattern, precision): (SparsityPattern, Precision) =
+                (pattern.trim().parse()?, precision.trim().parse()?);
+            let mut model = dense.clone();
+            let options = PackOptions {
+                pattern,
+                precision,
+                prune: PruneMethod::Magnitude,
+                alignment: 64,
+            };
+            sparsify(&mut model, &options, |name| name != "lm_head")?;
+            report(&format!("{pattern} {precision}"), &model);
+        }
+    }
+    Ok(())
+}
