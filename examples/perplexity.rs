@@ -2,7 +2,7 @@
 //! exact token counts (every token after the first is scored exactly once).
 //!
 //! `cargo run --release -p slidesparse-examples --example perplexity -- --text FILE [--max-tokens N]
-//!   [--window 512] [--stride 256] [--patterns 2:4,6:8] [--precisions f32,int8]`
+//!   [--window 512] [--stride 256] [--patterns 2:4,6:8] [--precisions f32,int8] [--prune magnitude,wanda]`
 
 use std::{path::PathBuf, time::Instant};
 
@@ -38,6 +38,14 @@ struct Args {
     patterns: String,
     #[arg(long, default_value = "f32,int8")]
     precisions: String,
+    /// `magnitude` and/or `wanda` (activation-aware, calibrated on `--calibration`).
+    #[arg(long, default_value = "magnitude,wanda")]
+    prune: String,
+    /// Calibration text for `wanda` (must differ from `--text`).
+    #[arg(long, default_value = "/usr/share/common-licenses/Apache-2.0")]
+    calibration: PathBuf,
+    #[arg(long, default_value_t = 256)]
+    calibration_tokens: usize,
 }
 
 /// (negative log-likelihood sum, scored tokens) over sliding windows.
@@ -100,7 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         let (nll, n) = nll(model, &ids, args.window, args.stride);
         println!(
-            "{name:<16} ppl {:>9.3}  ({n} tokens, {:.0} s)",
+            "{name:<24} ppl {:>9.3}  ({n} tokens, {:.0} s)",
             (nll / n as f64).exp(),
             t.elapsed().as_secs_f64()
         );

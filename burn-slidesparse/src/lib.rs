@@ -24,7 +24,7 @@ pub mod checkpoint;
 pub mod demo;
 pub mod swap;
 
-pub use swap::{MaybeSparseLinear, VisitLinears, sparsify};
+pub use swap::{MaybeSparseLinear, VisitLinears, sparsify, sparsify_with};
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gguf;

@@ -95,11 +95,20 @@ pub fn sparsify<B: Backend, M: VisitLinears<B>>(
     options: &PackOptions,
     include: impl Fn(&str) -> bool,
 ) -> Result<Vec<String>> {
+    sparsify_with(model, |name| include(name).then(|| options.clone()))
+}
+
+/// Like [`sparsify`], with options chosen per layer (`None` keeps the layer dense), e.g.
+/// activation-aware pruning with each layer's calibration norms.
+pub fn sparsify_with<B: Backend, M: VisitLinears<B>>(
+    model: &mut M,
+    options_for: impl Fn(&str) -> Option<PackOptions>,
+) -> Result<Vec<String>> {
     let mut packed = Vec::new();
     model.visit_linears(&mut |name, layer| {
-        if include(name) && !layer.is_sparse() {
+        if let Some(options) = options_for(name).filter(|_| !layer.is_sparse()) {
             layer
-                .sparsify(options)
+                .sparsify(&options)
                 .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
             packed.push(name.to_string());
         }

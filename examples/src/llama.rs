@@ -143,18 +143,74 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// Sees the input of every block linear (by the names of [`VisitLinears`]) during a forward.
+pub type Observer<'a, B> = &'a mut dyn FnMut(&str, &Tensor<B, 3>);
+
 impl<B: SlideSparseBackend> Llama<B> {
     /// Logits `[batch, t, vocab]` for `tokens [batch, t]` following the cached ones.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        self.forward_observed(tokens, cache, &mut |_, _| {})
+    }
+
+    /// [`forward`](Self::forward), showing `observer` the input of every block linear.
+    pub fn forward_observed(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+        observer: Observer<'_, B>,
+    ) -> Tensor<B, 3> {
         let start = cache.len();
         if cache.layers.len() < self.blocks.len() {
             cache.layers.resize_with(self.blocks.len(), || None);
         }
         let mut x = self.embed.forward(tokens);
-        for (block, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            x = block.forward(x, slot, &self.rope, start, self.heads, self.kv_heads);
+        for (i, (block, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let mut seen =
+                |layer: &str, input: &Tensor<B, 3>| observer(&format!("layers.{i}.{layer}"), input);
+            x = block.forward(
+                x,
+                slot,
+                &self.rope,
+                start,
+                (self.heads, self.kv_heads),
+                &mut seen,
+            );
         }
         self.lm_head.forward(self.norm.forward(x))
+    }
+
+    /// Per block linear, the L2 norm of each input channel over the calibration tokens:
+    /// the activation statistics of Wanda-style pruning.
+    pub fn input_norms(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+    ) -> std::collections::HashMap<String, Vec<f32>> {
+        let mut sums: std::collections::HashMap<String, Tensor<B, 1>> = Default::default();
+        self.forward_observed(tokens, &mut KvCache::default(), &mut |name, x| {
+            let [b, t, k] = x.dims();
+            let sq = x
+                .clone()
+                .powf_scalar(2.0)
+                .reshape([b * t, k])
+                .sum_dim(0)
+                .reshape([k]);
+            let entry = sums
+                .entry(name.to_string())
+                .or_insert_with(|| sq.zeros_like());
+            *entry = entry.clone() + sq;
+        });
+        sums.into_iter()
+            .map(|(name, s)| {
+                (
+                    name,
+                    s.sqrt()
+                        .into_data()
+                        .convert::<f32>()
+                        .into_vec()
+                        .expect("f32"),
+                )
+            })
+            .collect()
     }
 }
 
@@ -165,23 +221,20 @@ impl<B: SlideSparseBackend> Block<B> {
         cache: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
         rope: &RotaryEncoding<B>,
         start: usize,
-        heads: usize,
-        kv_heads: usize,
+        heads: (usize, usize),
+        observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
-        let h = x.clone()
-            + self.attention(
-                self.attn_norm.forward(x),
-                cache,
-                rope,
-                start,
-                heads,
-                kv_heads,
-            );
+        let a = self.attn_norm.forward(x.clone());
+        for name in ["q_proj", "k_proj", "v_proj"] {
+            observer(name, &a);
+        }
+        let h = x + self.attention(a, cache, rope, start, heads, observer);
         let m = self.mlp_norm.forward(h.clone());
-        let mlp = self
-            .down
-            .forward(activation::silu(self.gate.forward(m.clone())) * self.up.forward(m));
-        h + mlp
+        observer("gate_proj", &m);
+        observer("up_proj", &m);
+        let inner = activation::silu(self.gate.forward(m.clone())) * self.up.forward(m);
+        observer("down_proj", &inner);
+        h + self.down.forward(inner)
     }
 
     fn attention(
@@ -190,8 +243,8 @@ impl<B: SlideSparseBackend> Block<B> {
         cache: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
         rope: &RotaryEncoding<B>,
         start: usize,
-        heads: usize,
-        kv_heads: usize,
+        (heads, kv_heads): (usize, usize),
+        observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
         let [batch, t, _] = x.dims();
         let split = |y: Tensor<B, 3>, n: usize| {
@@ -220,8 +273,9 @@ impl<B: SlideSparseBackend> Block<B> {
             causal_mask::<B>(t, total, start, &scores.device()).expand([batch, heads, t, total]);
         let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
         let out = activation::softmax(scores, 3).matmul(v); // [b, h, t, hd]
-        self.o
-            .forward(out.swap_dims(1, 2).reshape([batch, t, heads * hd]))
+        let out = out.swap_dims(1, 2).reshape([batch, t, heads * hd]);
+        observer("o_proj", &out);
+        self.o.forward(out)
     }
 }
 

@@ -278,3 +278,38 @@ fn tokenizer_round_trips_on_smollm2_when_available() {
         assert_eq!(tok.decode(&ids), text);
     }
 }
+
+#[test]
+fn calibration_norms_drive_activation_aware_packing() {
+    let config = tiny_config();
+    let model = config.init::<B>(&Default::default());
+    let norms = model.input_norms(tokens(&[1, 5, 9, 13, 17, 21]));
+    assert_eq!(norms.len(), 14);
+    for (name, n) in &norms {
+        let expected = if name.ends_with("down_proj") {
+            config.intermediate
+        } else {
+            config.hidden
+        };
+        assert_eq!(n.len(), expected, "{name}");
+        assert!(n.iter().all(|v| v.is_finite() && *v >= 0.0), "{name}");
+    }
+    let mut sparse = model.clone();
+    let packed = burn_slidesparse::sparsify_with(&mut sparse, |name| {
+        Some(PackOptions {
+            pattern: SparsityPattern::P6_8,
+            precision: Precision::F32,
+            prune: burn_slidesparse::PruneMethod::ActivationAware {
+                input_norms: norms.get(name)?.clone(),
+            },
+            alignment: 64,
+        })
+    })
+    .unwrap();
+    assert_eq!(
+        packed.len(),
+        14,
+        "the LM head has no calibration entry and stays dense"
+    );
+    assert_eq!(logits(&sparse, &[2, 4]).len(), 2 * 64);
+}
