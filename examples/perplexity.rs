@@ -11,7 +11,7 @@ use burn::{
     tensor::{Int, Tensor, TensorData, activation::log_softmax},
 };
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SparsityPattern, gguf::GgufFile, sparsify,
+    PackOptions, Precision, PruneMethod, SparsityPattern, gguf::GgufFile, sparsify_with,
 };
 use clap::Parser;
 use slidesparse_examples::{
@@ -114,19 +114,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     };
     report("dense f32", &dense);
-    for pattern in args.patterns.split(',') {
-        for precision in args.precisions.split(',') {
-            let (pattern, precision): (SparsityPattern, Precision) =
-                (pattern.trim().parse()?, precision.trim().parse()?);
-            let mut model = dense.clone();
-            let options = PackOptions {
-                pattern,
-                precision,
-                prune: PruneMethod::Magnitude,
-                alignment: 64,
-            };
-            sparsify(&mut model, &options, |name| name != "lm_head")?;
-            report(&format!("{pattern} {precision}"), &model);
+    let norms = if args.prune.contains("wanda") {
+        let text = std::fs::read_to_string(&args.calibration)?;
+        let mut calib = tok.encode(&text);
+        calib.truncate(args.calibration_tokens);
+        let ids: Vec<i64> = calib.iter().map(|&i| i as i64).collect();
+        let input = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(ids, [1, calib.len()]),
+            &Default::default(),
+        );
+        println!(
+            "calibrated on {} tokens of {}",
+            calib.len(),
+            args.calibration.display()
+        );
+        dense.input_norms(input)
+    } else {
+        Default::default()
+    };
+    for method in args.prune.split(',').map(str::trim) {
+        for pattern in args.patterns.split(',') {
+            for precision in args.precisions.split(',') {
+                let (pattern, precision): (SparsityPattern, Precision) =
+                    (pattern.trim().parse()?, precision.trim().parse()?);
+                let mut model = dense.clone();
+                sparsify_with(&mut model, |name| {
+                    let prune = match method {
+                        "wanda" => PruneMethod::ActivationAware {
+                            input_norms: norms.get(name)?.clone(),
+                        },
+                        _ => PruneMethod::Magnitude,
+                    };
+                    (name != "lm_head").then_some(PackOptions {
+                        pattern,
+                        precision,
+                        prune,
+                        alignment: 64,
+                    })
+                })?;
+                report(&format!("{pattern} {precision} {method}"), &model);
+            }
         }
     }
     Ok(())
