@@ -30,7 +30,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
-use super::{Args, model_shapes, parse_list};
+use super::{Args, model_shapes, parse_list, rotation};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, bf16, i32, u8>;
@@ -68,10 +68,6 @@ fn median_ms<B: Backend>(
         .collect();
     t.sort_by(f64::total_cmp);
     t[t.len() / 2]
-}
-
-fn rotation(bytes: usize) -> usize {
-    120_000_000usize.div_ceil(bytes.max(1)).clamp(2, 8)
 }
 
 /// Device-to-device copy bandwidth (bytes read + written per second), through burn.
@@ -134,7 +130,7 @@ pub fn layer_bench(args: &Args) {
                 layers.push((precision, dense, sparse));
             }
             for &m in &ms {
-                let rot = rotation(m * k * 4);
+                let rot = rotation(m * k * 4, 2);
                 let xs: Vec<Tensor<Gpu, 2>> = (0..rot)
                     .map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device))
                     .collect();

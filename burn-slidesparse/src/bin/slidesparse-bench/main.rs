@@ -147,9 +147,10 @@ impl Events {
 /// Workspace for cuSPARSELt search and runs.
 const SPARSE_WORKSPACE: usize = 256 << 20;
 
-/// Number of activation buffers to rotate so that they exceed the L2 (60 MB) twice.
-fn rotation(bytes: usize) -> usize {
-    (120_000_000usize.div_ceil(bytes.max(1))).clamp(1, 8)
+/// Number of activation buffers to rotate so that they exceed the L2 (60 MB) twice
+/// (at least `min`, at most 8 buffers).
+fn rotation(bytes: usize, min: usize) -> usize {
+    120_000_000usize.div_ceil(bytes.max(1)).clamp(min, 8)
 }
 
 fn main() {
@@ -220,7 +221,7 @@ fn gemm_bench(args: &Args) {
                     let m_pad = m.next_multiple_of(16);
                     let kmax = sparse_w.iter().map(|(kp, _)| *kp).max().unwrap_or(k).max(k);
                     let x_bytes = m_pad * kmax * elem;
-                    let rot = rotation(x_bytes);
+                    let rot = rotation(x_bytes, 1);
                     let xs: Vec<Buf> = (0..rot)
                         .map(|i| Buf::upload(&random_codes(m_pad * kmax, precision, 10 + i as u64)))
                         .collect();
