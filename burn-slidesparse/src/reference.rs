@@ -47,9 +47,12 @@ pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
         .map(|i| i as i64)
         .collect();
     let k_prime = lift.len();
+    // Materialize the transpose once: a transposed view would be copied by some backends
+    // (NdArray) on every matmul.
+    let weight_t = Tensor::from_data(values.transpose().into_data(), &device);
     ReferencePrepared {
         spec,
-        weight_t: values.transpose(),
+        weight_t,
         scale: weights.scale.unsqueeze_dim(0),
         bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
         lift: Tensor::from_data(TensorData::new(lift, [k_prime]), &device),

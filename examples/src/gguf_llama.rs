@@ -80,9 +80,24 @@ fn linear<B: Backend>(
     inp: usize,
     device: &B::Device,
 ) -> Result<Linear<B>, SlideSparseError> {
-    let w = tensor::<B, 2>(file, name, [out, inp], device)?;
+    let (values, shape) = file.tensor_f32(name)?;
+    if shape != [out, inp] {
+        return Err(SlideSparseError::ShapeMismatch {
+            what: format!("GGUF tensor {name}"),
+            expected: format!("{:?}", [out, inp]),
+            actual: format!("{shape:?}"),
+        });
+    }
+    // burn's Linear stores [in, out]: transpose on the host, once, into a contiguous tensor.
+    let mut transposed = vec![0f32; values.len()];
+    for (o, row) in values.chunks_exact(inp).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            transposed[i * out + o] = v;
+        }
+    }
+    let w = Tensor::<B, 2>::from_data(TensorData::new(transposed, [inp, out]), device);
     Ok(Linear {
-        weight: Param::from_tensor(w.transpose()),
+        weight: Param::from_tensor(w),
         bias: None,
     })
 }

@@ -89,7 +89,10 @@ impl LlamaConfig {
 /// The LM head that shares the embedding matrix (`[vocab, hidden]`, so the Linear's
 /// `[in, out]` weight is its transpose).
 pub fn tied_head<B: Backend>(embed: &Embedding<B>) -> MaybeSparseLinear<B> {
-    let weight = embed.weight.val().transpose();
+    // A contiguous copy of the transpose (a transposed view is re-copied by every NdArray
+    // matmul).
+    let weight = embed.weight.val();
+    let weight = Tensor::from_data(weight.clone().transpose().into_data(), &weight.device());
     Linear {
         weight: Param::from_tensor(weight),
         bias: None,
