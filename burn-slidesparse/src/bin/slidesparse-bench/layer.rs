@@ -30,7 +30,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
-use super::{Args, model_shapes, parse_list, rotation};
+use super::{Args, model_shapes, parse_list, rotation, sweep};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, bf16, i32, u8>;
@@ -83,18 +83,7 @@ fn copy_bandwidth(device: &burn::tensor::Device<Gpu>) -> f64 {
 pub fn layer_bench(args: &Args) {
     let device = Default::default();
     let client = CudaRuntime::client(&device);
-    let ms: Vec<usize> = parse_list(&args.m)
-        .iter()
-        .map(|v| v.parse().unwrap())
-        .collect();
-    let precisions: Vec<Precision> = parse_list(&args.precisions)
-        .iter()
-        .map(|p| p.parse().unwrap())
-        .collect();
-    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns)
-        .iter()
-        .map(|p| p.parse().unwrap())
-        .collect();
+    let (ms, precisions, patterns) = sweep(args);
     let copy_bw = copy_bandwidth(&device);
     println!(
         "measured copy bandwidth (x + 1.0 over 1 GiB, read + write): {:.0} GB/s",

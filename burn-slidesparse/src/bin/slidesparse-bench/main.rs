@@ -166,19 +166,22 @@ fn parse_list(s: &str) -> Vec<String> {
     s.split(',').map(str::trim).map(String::from).collect()
 }
 
+/// Parses a comma-separated list.
+fn parse_all<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, T::Err> {
+    parse_list(s).into_iter().map(|v| v.parse()).collect()
+}
+
+/// The M values, precisions and patterns a run sweeps over.
+fn sweep(args: &Args) -> (Vec<usize>, Vec<Precision>, Vec<SparsityPattern>) {
+    (
+        parse_all(&args.m).expect("--m: comma-separated integers"),
+        parse_all(&args.precisions).expect("--precisions: int8, fp8, bf16, f16"),
+        parse_all(&args.patterns).expect("--patterns: 2:4, 4:6, 6:8, ..."),
+    )
+}
+
 fn gemm_bench(args: &Args) {
-    let ms: Vec<usize> = parse_list(&args.m)
-        .iter()
-        .map(|v| v.parse().expect("M"))
-        .collect();
-    let precisions: Vec<Precision> = parse_list(&args.precisions)
-        .iter()
-        .map(|p| p.parse().unwrap())
-        .collect();
-    let patterns: Vec<SparsityPattern> = parse_list(&args.patterns)
-        .iter()
-        .map(|p| p.parse().unwrap())
-        .collect();
+    let (ms, precisions, patterns) = sweep(args);
     let state = device_state(0).expect("GPU state");
     let mut st = state.lock().unwrap();
     st.make_current().unwrap();
