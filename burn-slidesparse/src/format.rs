@@ -118,7 +118,7 @@ fn dtype_of(precision: Precision) -> Dtype {
 }
 
 /// Little-endian bytes of f32 values.
-pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
+pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 

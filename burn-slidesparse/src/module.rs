@@ -5,7 +5,7 @@ use burn::{
     config::Config,
     module::{Module, Param},
     nn::Linear,
-    tensor::{Tensor, TensorData, backend::Backend},
+    tensor::{DType, Tensor, TensorCreationOptions, TensorData, backend::Backend},
 };
 
 use crate::{
@@ -93,7 +93,7 @@ impl SlideSparseLinearConfig {
 pub struct SlideSparseLinear<B: Backend> {
     /// `W' [out, K']` code values.
     pub weight: Param<Tensor<B, 2>>,
-    /// Per-output-channel scales `[out]`.
+    /// Per-output-channel scales `[out]`, in f32 on every backend.
     pub weight_scale: Param<Tensor<B, 1>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// Pattern, precision and sizes (not persisted: the config carries them).
@@ -115,7 +115,7 @@ impl<B: Backend> SlideSparseLinear<B> {
         let shape = [packed.weight.rows, packed.weight.cols];
         Self {
             weight: float_param(packed.weight.codes.to_f32(), &shape, device),
-            weight_scale: float_param(packed.weight.scales.clone(), &[shape[0]], device),
+            weight_scale: f32_param(packed.weight.scales.clone(), &[shape[0]], device),
             bias: packed
                 .bias
                 .as_ref()
@@ -278,8 +278,31 @@ fn float_param<B: Backend, const D: usize>(
     shape: &[usize],
     device: &B::Device,
 ) -> Param<Tensor<B, D>> {
-    let data = TensorData::new(values, shape.to_vec()).convert::<B::FloatElem>();
-    Param::from_tensor(Tensor::from_data(data, device))
+    // The backend's float type named explicitly: burn 0.21 otherwise uses the device's
+    // default dtype, which another backend on the same device may have set.
+    let options = TensorCreationOptions::default()
+        .with_device(device.clone())
+        .with_dtype(<B::FloatElem as burn::tensor::Element>::dtype());
+    Param::from_tensor(Tensor::from_data(
+        TensorData::new(values, shape.to_vec()),
+        options,
+    ))
+}
+
+/// A parameter kept in f32 whatever the backend's float type: the weight scales multiply
+/// exact integer accumulators, and a bf16 scale would lose 8 bits of them.
+fn f32_param<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: &[usize],
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    let options = TensorCreationOptions::default()
+        .with_device(device.clone())
+        .with_dtype(DType::F32);
+    Param::from_tensor(Tensor::from_data(
+        TensorData::new(values, shape.to_vec()),
+        options,
+    ))
 }
 
 fn to_vec_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {

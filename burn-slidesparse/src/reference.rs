@@ -53,7 +53,12 @@ pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
     ReferencePrepared {
         spec,
         weight_t,
-        scale: weights.scale.unsqueeze_dim(0),
+        // The scales are stored in f32 (see `SlideSparseLinear::weight_scale`); compute in
+        // the backend's float type.
+        scale: weights
+            .scale
+            .cast(<B::FloatElem as burn::tensor::Element>::dtype())
+            .unsqueeze_dim(0),
         bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
         lift: Tensor::from_data(TensorData::new(lift, [k_prime]), &device),
     }

@@ -1,9 +1,10 @@
 //! Fused per-token quantization + lift (and its no-lift twin for the dense baseline).
 //!
-//! One cube handles one token row: the units first reduce the row's absmax (reading `X`
-//! once from global memory; the second pass hits L1/L2), then each unit writes whole 2:4
-//! windows of the lifted row: four 8-bit codes in one 32-bit store. Rows `M..M_pad` are
-//! written as zeros with scale 1 so that the GEMM can run on the padded shape.
+//! One cube handles one token row: the units first reduce the row's absmax with 16-byte
+//! loads, keeping the row in shared memory where it fits, then each unit writes whole
+//! output vectors of the lifted row (16 codes = four 2:4 windows in one 16-byte store for
+//! 8-bit codes). Rows `M..M_pad` are written as zeros with scale 1 so that the GEMM can run
+//! on the padded shape.
 //!
 //! Non-finite input (8-bit modes): a row holding NaN or ±Inf gets the scale NaN and all-zero
 //! codes, so the epilogue turns its whole output row into NaN (never a silently finite row).
@@ -61,15 +62,31 @@ fn quantize<Q: Scalar>(x: f32, scale: f32, #[comptime] mode: LiftMode) -> Q {
     }
 }
 
-/// `X [M, K]` (any float) -> `X' [M_pad, K']` codes (as 4-element vectors, one store per 2:4
-/// window) + `s_x [M_pad]` (1 for float modes).
+/// Shared memory a cube may stage a row in (bytes): the static limit of one block.
+pub const STAGE_BYTES: usize = 48 * 1024;
+
+/// `X [M, K]` (any float) -> `X' [M_pad, K']` codes + `s_x [M_pad]` (1 for float modes).
 ///
-/// `nan` must be `f32::NAN` (passed at run time, see below). `n == 0` means no lift (dense baseline: `X'[m, o] = X[m, o]` for `o < K`); otherwise the
-/// SlideSparse lift of pattern `(2n-2):2n`. `k_slide` is `K` for the dense baseline.
+/// Layout of the work: one cube per token row, two passes.
+/// 1. Every unit reads whole input vectors (`VI` elements, 16 bytes where `K` allows) and
+///    reduces the absmax; with `staged > 0` it also keeps the row in shared memory, so the
+///    row is read from global memory exactly once.
+/// 2. Every unit writes whole output vectors (`VO` codes, 16 bytes for 8-bit codes), each
+///    code gathered through the lift map from the staged row (or, unstaged, from global
+///    memory, where `VI` must be 1).
+///
+/// `nan` must be `f32::NAN` (passed at run time, see below). `n == 0` means no lift (dense
+/// baseline: `X'[m, o] = X[m, o]` for `o < K`); otherwise the SlideSparse lift of pattern
+/// `(2n-2):2n`. `k_slide` is `K` for the dense baseline. The host guarantees
+/// `K % VI == 0`, `K' % VO == 0`, `VO % 4 == 0` and `staged >= K` when staged.
+///
+/// `_input_type` names `F`'s storage type: CubeCL 0.10 compiles `F: Float` as a dynamic type, and
+/// only a `#[define]`d argument puts it into the kernel's cache key (without it, an f32 and a
+/// bf16 launch with equal comptime arguments share one compiled kernel).
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn quant_lift_kernel<F: Float, Q: Scalar>(
-    x: &Array<F>,
-    out: &mut Array<Vector<Q, Const<4>>>,
+pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
+    x: &Array<Vector<F, VI>>,
+    out: &mut Array<Vector<Q, VO>>,
     scales: &mut Array<f32>,
     m: u32,
     k: u32,
@@ -78,35 +95,47 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar>(
     nan: f32,
     #[comptime] n: u32,
     #[comptime] mode: LiftMode,
+    #[comptime] staged: usize,
+    #[define(F)] _input_type: StorageType,
 ) {
+    let vi = x.vector_size().comptime();
+    let vo = out.vector_size().comptime();
     let row = CUBE_POS;
     let qmax = comptime!(match mode {
         LiftMode::Fp8 => 448.0f32,
         _ => 127.0f32,
     });
     let quantized = comptime!(mode != LiftMode::Float);
-    let windows = (k_prime / 4) as usize;
-    let out_base = row * windows;
-    let in_base = row * (k as usize);
+    let real_row = row < m as usize;
+    let k_vectors = (k as usize) / vi;
+    let in_base = row * k_vectors;
+    let mut stage = SharedMemory::<F>::new(comptime!(usize::max(staged, 1)));
 
-    // Absmax and non-finite detection over the real row.
+    // Pass 1: absmax and non-finite detection over the real row (and staging).
     let mut amax = 0.0f32;
     let mut bad = 0.0f32;
-    if row < m as usize {
+    if real_row {
         let mut i = UNIT_POS as usize;
-        while i < k as usize {
-            let v = f32::cast_from(x[in_base + i]);
-            if v.is_nan() || v.is_inf() {
-                bad = 1.0;
-            } else {
-                amax = f32::max(amax, f32::abs(v));
+        while i < k_vectors {
+            let v = x[in_base + i];
+            #[unroll]
+            for l in 0..vi {
+                let f = f32::cast_from(v[l]);
+                if f.is_nan() || f.is_inf() {
+                    bad = 1.0;
+                } else {
+                    amax = f32::max(amax, f32::abs(f));
+                }
+                if comptime!(staged > 0) {
+                    stage[i * vi + l] = v[l];
+                }
             }
             i += CUBE_DIM as usize;
         }
     }
+    // Also the barrier that makes the staged row visible to every unit.
     let amax = cube_max(amax);
     let bad = cube_max(bad);
-    let real_row = row < m as usize;
     // Rows that write real values: padding rows and (8-bit modes) rows holding NaN/Inf
     // write zeros. Float modes pass non-finite values through (IEEE semantics).
     let row_ok = real_row && (bad == 0.0 || !quantized);
@@ -126,29 +155,38 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar>(
         scales[row] = scale;
     }
 
-    let mut w = UNIT_POS as usize;
-    while w < windows {
-        let o = w * 4;
-        // Source of the window's first lane: identity for the dense baseline, else
-        // g * 2n + 2 * (window within the block).
-        let src0 = if comptime!(n == 0) {
-            o
-        } else {
-            let per_block = comptime!((n - 1) as usize);
-            (w / per_block) * comptime!((2 * n) as usize) + 2 * (w % per_block)
-        };
-        let mut codes = Vector::<Q, Const<4>>::empty();
+    // Pass 2: whole output vectors; `VO / 4` windows each.
+    let out_vectors = (k_prime as usize) / vo;
+    let out_base = row * out_vectors;
+    let in_row = row * (k as usize);
+    let mut j = UNIT_POS as usize;
+    while j < out_vectors {
+        let mut codes = Vector::<Q, VO>::empty();
         #[unroll]
-        for l in 0..4usize {
-            let src = src0 + l;
-            let valid = row_ok && o + l < k_slide as usize && src < k as usize;
+        for l in 0..vo {
+            let o = j * vo + l;
+            let w = o / 4;
+            // Source of the window's first lane: identity for the dense baseline, else
+            // g * 2n + 2 * (window within the block).
+            let src0 = if comptime!(n == 0) {
+                w * 4
+            } else {
+                let per_block = comptime!((n - 1) as usize);
+                (w / per_block) * comptime!((2 * n) as usize) + 2 * (w % per_block)
+            };
+            let src = src0 + comptime!(l % 4);
+            let valid = row_ok && o < k_slide as usize && src < k as usize;
             let mut value = 0.0f32;
             if valid {
-                value = f32::cast_from(x[in_base + src]);
+                if comptime!(staged > 0) {
+                    value = f32::cast_from(stage[src]);
+                } else {
+                    value = f32::cast_from(x[in_row + src][0]);
+                }
             }
             codes[l] = quantize::<Q>(value, divisor, mode);
         }
-        out[out_base + w] = codes;
-        w += CUBE_DIM as usize;
+        out[out_base + j] = codes;
+        j += CUBE_DIM as usize;
     }
 }

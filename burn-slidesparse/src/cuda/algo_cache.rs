@@ -41,14 +41,21 @@ impl AlgoCache {
     }
 
     /// Key of a shape on a GPU and library version.
+    /// The full-precision accumulator (INT32/FP32) is implied, so that keys written before
+    /// 16-bit accumulators existed stay valid.
     pub fn key(gpu: &str, version: i32, shape: &GemmShape) -> String {
-        format!(
+        let mut key = format!(
             "{gpu}|cusparselt {version}|m<={} n={} k'={} {}",
             m_bucket(shape.m_pad),
             shape.n_pad,
             shape.k_prime,
             shape.precision
-        )
+        );
+        if !shape.accumulator.is_full_precision(shape.precision) {
+            let acc = shape.accumulator;
+            key += &format!(" out={:?} scaled={}", acc.ty, acc.channel_scaled);
+        }
+        key
     }
 
     pub fn get(&self, key: &str) -> Option<i32> {

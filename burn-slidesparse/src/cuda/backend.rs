@@ -13,7 +13,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::{Shape, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{
     BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous, tensor::CubeTensor,
 };
@@ -23,12 +23,13 @@ use cubecl::{
 };
 use cubecl_kernels::{
     epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
-    quant_lift::{LiftMode, QUANT_CUBE_DIM, quant_lift_kernel},
+    quant_lift::{LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, quant_lift_kernel},
 };
 use half::{bf16, f16};
 
 use super::{
-    cusparselt::{self, GemmShape, MatDescriptor},
+    accumulator::{AccType, Accumulator},
+    cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
     cusparselt_sys::Stream,
     ordering::run_ordered,
     state::{DeviceState, device_state},
@@ -51,6 +52,8 @@ pub struct CudaPrepared {
     pub n_pad: usize,
     compressed: Handle,
     scale: Handle,
+    /// The weight scales padded with zeros to `n_pad`: cuSPARSELt's alpha vector (INT8).
+    alpha: Handle,
     bias: Option<Handle>,
     state: Arc<Mutex<DeviceState>>,
 }
@@ -161,7 +164,10 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
         k_prime,
         spec.precision,
     ));
-    let scale = client.create_from_slice(&f32_bytes(&host_f32(weights.scale)?));
+    let mut scales = host_f32(weights.scale)?;
+    let scale = client.create_from_slice(&f32_bytes(&scales));
+    scales.resize(n_pad, 0.0);
+    let alpha = client.create_from_slice(&f32_bytes(&scales));
     let bias = match weights.bias {
         Some(b) => Some(client.create_from_slice(&f32_bytes(&host_f32(b)?))),
         None => None,
@@ -208,6 +214,7 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
         n_pad,
         compressed,
         scale,
+        alpha,
         bias,
         state,
     })
@@ -229,10 +236,22 @@ fn address_type(bytes: usize) -> AddressType {
     }
 }
 
+/// Input vector width (elements) of the quant kernel for `F`: 16 bytes where `K` allows.
+fn input_vector(k: usize, elem_bytes: usize) -> usize {
+    let full = 16 / elem_bytes;
+    [full, 4, 2, 1]
+        .into_iter()
+        .find(|v| k.is_multiple_of(*v))
+        .unwrap_or(1)
+}
+
 /// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
-/// `n == 0` is the dense baseline (no lift, `k_slide == k`).
+/// `n == 0` is the dense baseline (no lift, `k_slide == k`). `k_out` must be a multiple of 4.
+///
+/// The row is staged in shared memory (read once from global memory) when it fits in
+/// [`STAGE_BYTES`]; longer rows (f32 rows over 12288 elements) are read twice.
 #[allow(clippy::too_many_arguments)]
-pub fn launch_quant_lift<F: FloatElement>(
+pub fn launch_quant_lift(
     client: &Client,
     x: &Handle,
     codes: &Handle,
@@ -240,25 +259,47 @@ pub fn launch_quant_lift<F: FloatElement>(
     (m, m_pad, k, k_slide, k_out): (usize, usize, usize, usize, usize),
     n: u32,
     precision: Precision,
+    input: DType,
 ) -> Result<()> {
+    let input_bytes = input.size();
     let mode = lift_mode(precision);
     let elem = precision.element_bytes();
-    let addr = address_type(m_pad * k_out * elem.max(4));
+    let addr = address_type((m_pad * k_out * elem.max(4)).max(m * k * input_bytes));
     let count = CubeCount::Static(m_pad as u32, 1, 1);
     let dim = CubeDim::new_1d(QUANT_CUBE_DIM);
     let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
+    // Round the staged length so that layers of similar width share one compiled kernel.
+    let staged_len = k.next_multiple_of(1024);
+    let staged = if staged_len * input_bytes <= STAGE_BYTES {
+        staged_len
+    } else {
+        0
+    };
+    let vi = if staged > 0 {
+        input_vector(k, input_bytes)
+    } else {
+        1
+    };
+    // 16-byte stores for 8-bit codes, else one 2:4 window per store.
+    let vo = if elem == 1 && k_out.is_multiple_of(16) {
+        16
+    } else {
+        4
+    };
     // SAFETY: buffer sizes match the lengths given; the kernel bounds every access by them.
     unsafe {
-        let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k);
-        let out = ArrayArg::from_raw_parts(codes.clone(), m_pad * k_out / 4);
+        let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k / vi);
+        let out = ArrayArg::from_raw_parts(codes.clone(), m_pad * k_out / vo);
         let s = ArrayArg::from_raw_parts(scales.clone(), m_pad);
         macro_rules! go {
             ($q:ty) => {
-                quant_lift_kernel::launch_unchecked::<F, $q, Runtime>(
+                quant_lift_kernel::launch_unchecked::<$q, Runtime>(
                     client,
                     count,
                     dim,
                     addr,
+                    vi,
+                    vo,
                     x_arg,
                     out,
                     s,
@@ -269,6 +310,8 @@ pub fn launch_quant_lift<F: FloatElement>(
                     f32::NAN,
                     n,
                     mode,
+                    staged,
+                    input.into(),
                 )
             };
         }
@@ -285,7 +328,7 @@ pub fn launch_quant_lift<F: FloatElement>(
 
 /// Launches the epilogue: `acc [m_pad, n_pad]` -> `Y [m, n]`.
 #[allow(clippy::too_many_arguments)]
-pub fn launch_epilogue<F: FloatElement>(
+pub fn launch_epilogue(
     client: &Client,
     acc: &Handle,
     token_scales: &Handle,
@@ -293,29 +336,37 @@ pub fn launch_epilogue<F: FloatElement>(
     bias: Option<&Handle>,
     out: &Handle,
     (m, m_pad, n, n_pad): (usize, usize, usize, usize),
-    precision: Precision,
+    accumulator: Accumulator,
+    output: DType,
 ) -> Result<()> {
+    // The widest vector of at most 16 bytes (the widest CUDA load/store; wider vectors
+    // compute wrong results in cubecl 0.10) that divides both row lengths, so that no
+    // vector straddles two rows.
+    let widest = accumulator.bytes().max(output.size());
+    let v = [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|v| v * widest <= 16 && n.is_multiple_of(*v) && n_pad.is_multiple_of(*v))
+        .unwrap_or(1);
     let dim = CubeDim::new_1d(EPILOGUE_CUBE_DIM);
-    let count = calculate_cube_count_elemwise(client, m * n, dim);
+    let count = calculate_cube_count_elemwise(client, m * n / v, dim);
     let addr = address_type(m_pad * n_pad * 4);
+    let channel_scaled = accumulator.channel_scaled;
     // SAFETY: sizes as allocated by the caller; the kernel reads only rows < m, cols < n.
     unsafe {
-        let acc_arg = ArrayArg::from_raw_parts(acc.clone(), m_pad * n_pad);
+        let acc_arg = ArrayArg::from_raw_parts(acc.clone(), m_pad * n_pad / v);
         let sx = ArrayArg::from_raw_parts(token_scales.clone(), m_pad);
-        let sw = ArrayArg::from_raw_parts(channel_scales.clone(), n);
-        let b = match bias {
-            Some(b) => ArrayArg::from_raw_parts(b.clone(), n),
-            None => ArrayArg::from_raw_parts(channel_scales.clone(), n),
-        };
-        let y = ArrayArg::from_raw_parts(out.clone(), m * n);
+        let sw = ArrayArg::from_raw_parts(channel_scales.clone(), n / v);
+        let b = ArrayArg::from_raw_parts(bias.unwrap_or(channel_scales).clone(), n / v);
+        let y = ArrayArg::from_raw_parts(out.clone(), m * n / v);
         let dims = (m as u32, n as u32, n_pad as u32);
         macro_rules! go {
             ($a:ty) => {
-                dequant_bias_kernel::launch_unchecked::<$a, F, Runtime>(
+                dequant_bias_kernel::launch_unchecked::<$a, Runtime>(
                     client,
                     count,
                     dim,
                     addr,
+                    v,
                     acc_arg,
                     sx,
                     sw,
@@ -325,24 +376,27 @@ pub fn launch_epilogue<F: FloatElement>(
                     dims.1,
                     dims.2,
                     bias.is_some(),
+                    channel_scaled,
+                    output.into(),
                 )
             };
         }
-        match precision {
-            Precision::Int8 => go!(i32),
-            Precision::Fp8 | Precision::F32 => go!(f32),
-            Precision::Bf16 => go!(bf16),
-            Precision::F16 => go!(f16),
+        match accumulator.ty {
+            AccType::I32 => go!(i32),
+            AccType::F32 => go!(f32),
+            AccType::Bf16 => go!(bf16),
+            AccType::F16 => go!(f16),
         }
     }
     Ok(())
 }
 
 /// The full forward on the GPU; `x` must be contiguous `[m, k]`.
-fn forward_impl<F: FloatElement>(
-    x: CubeTensor<Runtime>,
-    prepared: &CudaPrepared,
-) -> Result<CubeTensor<Runtime>> {
+///
+/// The float type is the tensor's own dtype, not the backend's `F`: burn 0.21 keeps a
+/// per-device default dtype, so a tensor of an f32 backend can be bf16 once a bf16 backend
+/// has used the same device.
+fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeTensor<Runtime>> {
     let spec = &prepared.spec;
     let geometry = spec.geometry();
     let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
@@ -353,9 +407,11 @@ fn forward_impl<F: FloatElement>(
 
     let codes = client.empty(m_pad * k_prime * precision.element_bytes());
     let token_scales = client.empty(m_pad * 4);
-    let acc = client.empty(m_pad * n_pad * cusparselt::output_bytes(precision));
-    let out = client.empty(m * n * core::mem::size_of::<F>());
-    launch_quant_lift::<F>(
+    let dtype = x.dtype;
+    let accumulator = Accumulator::sparse(precision, dtype);
+    let acc = client.empty(m_pad * n_pad * accumulator.bytes());
+    let out = client.empty(m * n * dtype.size());
+    launch_quant_lift(
         &client,
         &x.handle,
         &codes,
@@ -363,16 +419,17 @@ fn forward_impl<F: FloatElement>(
         (m, m_pad, k, geometry.k_slide(), k_prime),
         geometry.n,
         precision,
+        dtype,
     )?;
     run_sparse_gemm(
         &client,
         prepared,
         &codes,
         &acc,
-        m_pad,
+        (m_pad, accumulator),
         (&token_scales, m_pad),
     )?;
-    launch_epilogue::<F>(
+    launch_epilogue(
         &client,
         &acc,
         &token_scales,
@@ -380,14 +437,15 @@ fn forward_impl<F: FloatElement>(
         prepared.bias.as_ref(),
         &out,
         (m, m_pad, n, n_pad),
-        precision,
+        accumulator,
+        dtype,
     )?;
     Ok(CubeTensor::new_contiguous(
         client,
         x.device.clone(),
         Shape::new([m, n]),
         out,
-        F::dtype(),
+        dtype,
     ))
 }
 
@@ -398,7 +456,7 @@ pub fn run_sparse_gemm(
     prepared: &CudaPrepared,
     codes: &Handle,
     acc: &Handle,
-    m_pad: usize,
+    (m_pad, accumulator): (usize, Accumulator),
     poison: (&Handle, usize),
 ) -> Result<()> {
     let shape = GemmShape {
@@ -406,17 +464,19 @@ pub fn run_sparse_gemm(
         n_pad: prepared.n_pad,
         k_prime: prepared.spec.k_prime(),
         precision: prepared.spec.precision,
+        accumulator,
     };
     let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
     state.make_current()?;
-    let (p_w, p_x, p_acc) = (
-        ptr(client, &prepared.compressed)?,
-        ptr(client, codes)?,
-        ptr(client, acc)?,
-    );
+    let p = GemmPointers {
+        weight: ptr(client, &prepared.compressed)?,
+        act: ptr(client, codes)?,
+        out: ptr(client, acc)?,
+        alpha: ptr(client, &prepared.alpha)?,
+    };
     state.plan(shape)?;
     if state.needs_search(&shape) {
-        search_once(client, &mut state, shape, (p_w, p_x, p_acc))?;
+        search_once(client, &mut state, shape, p)?;
     }
     let DeviceState {
         lt,
@@ -432,7 +492,7 @@ pub fn run_sparse_gemm(
     run_ordered(client, lane, side, *sync_mode, poison, |stream| {
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's
         // stream (which owns their reuse) behind the GEMM.
-        unsafe { plan.run(lt, p_w, p_x, p_acc, p_ws, stream as Stream) }
+        unsafe { plan.run(lt, p, p_ws, stream as Stream) }
     })
 }
 
@@ -441,7 +501,7 @@ fn search_once(
     client: &Client,
     state: &mut DeviceState,
     shape: GemmShape,
-    (p_w, p_x, p_acc): (u64, u64, u64),
+    p: GemmPointers,
 ) -> Result<()> {
     let workspace_bytes = state.plan(shape)?.workspace;
     let workspace = client.empty(SEARCH_WORKSPACE.max(workspace_bytes));
@@ -451,7 +511,7 @@ fn search_once(
     let DeviceState { lt, plans, .. } = &mut *state;
     let plan = plans.get_mut(&shape).expect("built above");
     // SAFETY: live cubecl allocations of this plan's shapes, held until the sync below.
-    let id = unsafe { plan.search(lt, p_w, p_x, p_acc, p_ws, stream)? };
+    let id = unsafe { plan.search(lt, p, p_ws, stream)? };
     state.synchronize()?;
     state.remember(&shape, id);
     Ok(())
@@ -471,8 +531,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend
 
     fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2> {
         let x = into_contiguous(x.into_primitive().tensor());
-        let y = forward_impl::<F>(x, prepared)
-            .unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
+        let y =
+            forward_impl(x, prepared).unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
 }

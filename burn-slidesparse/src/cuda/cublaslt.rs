@@ -6,6 +6,8 @@ use std::{collections::HashMap, ffi::c_void};
 
 use cudarc::cublaslt::{result, sys};
 
+use super::accumulator::{AccType, Accumulator};
+
 use crate::{
     error::{Result, SlideSparseError},
     quant::Precision,
@@ -22,9 +24,12 @@ pub struct DenseShape {
     pub n: usize,
     pub k: usize,
     pub precision: Precision,
+    /// INT32 for INT8 inputs; FP32 or the layer's 16-bit type for FP8, see [`Accumulator`].
+    pub accumulator: Accumulator,
 }
 
-/// (input, output, compute, scale) types of a precision.
+/// (input, output, compute, scale) types of a precision with a full-precision output; FP8
+/// may write the layer's 16-bit type instead (see [`Accumulator::dense`]).
 fn types(
     p: Precision,
 ) -> (
@@ -105,7 +110,14 @@ impl DenseGemm {
     }
 
     fn build(&self, s: DenseShape) -> Result<DensePlan> {
-        let (input, output, compute, scale) = types(s.precision);
+        let (input, mut output, compute, scale) = types(s.precision);
+        if s.precision == Precision::Fp8 {
+            output = match s.accumulator.ty {
+                AccType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+                AccType::F16 => sys::cudaDataType::CUDA_R_16F,
+                _ => output,
+            };
+        }
         let desc = result::create_matmul_desc(compute, scale).map_err(err("MatmulDescCreate"))?;
         let transpose: i32 = 1; // CUBLAS_OP_T
         // SAFETY: the attribute is a cublasOperation_t, passed by pointer with its size.

@@ -4,7 +4,10 @@
 
 use std::ffi::c_void;
 
-use super::cusparselt_sys::{self as sys, CusparseLt, Opaque, Stream};
+use super::{
+    accumulator::{AccType, Accumulator},
+    cusparselt_sys::{self as sys, CusparseLt, Opaque, Stream},
+};
 use crate::{error::Result, quant::Precision};
 
 /// One cuSPARSELt handle (bound to the device current when it was made).
@@ -67,24 +70,31 @@ pub fn version_string(version: i32) -> String {
     )
 }
 
-/// cuSPARSELt types of one precision: (input, output/C/D, compute).
-pub fn types_of(precision: Precision) -> (i32, i32, i32) {
+/// cuSPARSELt types of one GEMM: (input, output/C/D, compute).
+pub fn types_of(precision: Precision, accumulator: Accumulator) -> (i32, i32, i32) {
     use sys::{compute, data_type as t};
+    let output = match accumulator.ty {
+        AccType::I32 => t::R_32I,
+        AccType::F32 => t::R_32F,
+        AccType::Bf16 => t::R_16BF,
+        AccType::F16 => t::R_16F,
+    };
     match precision {
-        Precision::Int8 => (t::R_8I, t::R_32I, compute::C32I),
-        Precision::Fp8 => (t::R_8F_E4M3, t::R_32F, compute::C32F),
-        Precision::Bf16 => (t::R_16BF, t::R_16BF, compute::C32F),
-        Precision::F16 => (t::R_16F, t::R_16F, compute::C32F),
-        Precision::F32 => (t::R_32F, t::R_32F, compute::C32F),
+        Precision::Int8 => (t::R_8I, output, compute::C32I),
+        Precision::Fp8 => (t::R_8F_E4M3, output, compute::C32F),
+        Precision::Bf16 => (t::R_16BF, output, compute::C32F),
+        Precision::F16 => (t::R_16F, output, compute::C32F),
+        Precision::F32 => (t::R_32F, output, compute::C32F),
     }
 }
 
-/// Bytes of one accumulator/output element of a precision's GEMM.
-pub fn output_bytes(precision: Precision) -> usize {
-    match precision {
-        Precision::Int8 | Precision::Fp8 | Precision::F32 => 4,
-        Precision::Bf16 | Precision::F16 => 2,
-    }
+/// The input type of a precision.
+fn input_type(precision: Precision) -> i32 {
+    types_of(
+        precision,
+        Accumulator::dense(precision, burn::tensor::DType::F32),
+    )
+    .0
 }
 
 /// A matrix descriptor.
@@ -101,7 +111,7 @@ impl MatDescriptor {
         precision: Precision,
     ) -> Result<Self> {
         let mut desc = Opaque::boxed();
-        let (input, _, _) = types_of(precision);
+        let input = input_type(precision);
         // SAFETY: valid handle and writable descriptor.
         let status = unsafe {
             (lt.lib.cusparseLtStructuredDescriptorInit)(
@@ -244,6 +254,17 @@ pub struct GemmShape {
     pub n_pad: usize,
     pub k_prime: usize,
     pub precision: Precision,
+    pub accumulator: Accumulator,
+}
+
+/// Device pointers of one sparse GEMM: the compressed `W'`, `X'`, the output `D` and the
+/// alpha vector (`n_pad` weight scales, read only for a channel-scaled accumulator).
+#[derive(Clone, Copy, Debug)]
+pub struct GemmPointers {
+    pub weight: u64,
+    pub act: u64,
+    pub out: u64,
+    pub alpha: u64,
 }
 
 /// A ready matmul plan with its descriptors; built once per shape and reused.
@@ -255,6 +276,8 @@ pub struct SparsePlan {
     _descs: [OwnedDescriptor; 3],
     pub workspace: usize,
     pub config_id: i32,
+    /// Alpha is a device vector (per output channel): the accumulator is channel-scaled.
+    alpha_vector: bool,
     destroy_plan: unsafe extern "C" fn(*const Opaque) -> sys::Status,
     destroy_alg: unsafe extern "C" fn(*const Opaque) -> sys::Status,
 }
@@ -265,7 +288,7 @@ unsafe impl Send for SparsePlan {}
 impl SparsePlan {
     /// Descriptors, matmul descriptor, algorithm selection (with `config_id` if given) and plan.
     pub fn new(lt: &LtHandle, shape: GemmShape, config_id: Option<i32>) -> Result<Self> {
-        let (input, output, compute) = types_of(shape.precision);
+        let (input, output, compute) = types_of(shape.precision, shape.accumulator);
         let own = |desc| OwnedDescriptor {
             desc,
             destroy: lt.lib.cusparseLtMatDescriptorDestroy,
@@ -297,6 +320,20 @@ impl SparsePlan {
                 ),
                 "MatmulDescriptorInit",
             )?;
+        }
+        if shape.accumulator.channel_scaled {
+            let on: i32 = 1;
+            // SAFETY: the attribute takes an `int`.
+            let status = unsafe {
+                (lib.cusparseLtMatmulDescSetAttribute)(
+                    lt.raw(),
+                    &mut *matmul,
+                    sys::MATMUL_ALPHA_VECTOR_SCALING,
+                    &on as *const i32 as *const c_void,
+                    4,
+                )
+            };
+            lib.check(status, "MatmulDescSetAttribute(ALPHA_VECTOR_SCALING)")?;
         }
         let mut alg = Opaque::boxed();
         // SAFETY: as above.
@@ -344,11 +381,21 @@ impl SparsePlan {
             _descs: [weight, act, out],
             workspace,
             config_id: config_id.unwrap_or(0),
+            alpha_vector: shape.accumulator.channel_scaled,
             destroy_plan: lib.cusparseLtMatmulPlanDestroy,
             destroy_alg: lib.cusparseLtMatmulAlgSelectionDestroy,
         };
         this.config_id = this.read_config_id(lt)?;
         Ok(this)
+    }
+
+    /// The `alpha` argument: the device vector with alpha-vector scaling, else host 1.0.
+    fn alpha_pointer(&self, one: &f32, d_alpha: u64) -> *const c_void {
+        if self.alpha_vector {
+            d_alpha as *const c_void
+        } else {
+            one as *const f32 as *const c_void
+        }
     }
 
     fn read_config_id(&self, lt: &LtHandle) -> Result<i32> {
@@ -367,7 +414,7 @@ impl SparsePlan {
         Ok(id)
     }
 
-    /// Enqueues `D = W'^T-product` on `stream`.
+    /// Enqueues `D = alpha * (W' . X'^T)` on `stream`.
     ///
     /// # Safety
     /// Pointers must be live device buffers of this plan's shapes; `workspace` at least
@@ -375,24 +422,23 @@ impl SparsePlan {
     pub unsafe fn run(
         &self,
         lt: &LtHandle,
-        d_weight_compressed: u64,
-        d_act: u64,
-        d_out: u64,
+        p: GemmPointers,
         d_workspace: u64,
         stream: Stream,
     ) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (one, beta) = (1.0f32, 0.0f32);
+        let alpha = self.alpha_pointer(&one, p.alpha);
         let mut streams = [stream];
         let status = unsafe {
             (lt.lib.cusparseLtMatmul)(
                 lt.raw(),
                 &*self.plan,
-                &alpha as *const f32 as *const c_void,
-                d_weight_compressed as *const c_void,
-                d_act as *const c_void,
+                alpha,
+                p.weight as *const c_void,
+                p.act as *const c_void,
                 &beta as *const f32 as *const c_void,
-                d_out as *const c_void,
-                d_out as *mut c_void,
+                p.out as *const c_void,
+                p.out as *mut c_void,
                 d_workspace as *mut c_void,
                 streams.as_mut_ptr(),
                 1,
@@ -409,24 +455,23 @@ impl SparsePlan {
     pub unsafe fn search(
         &mut self,
         lt: &LtHandle,
-        d_weight_compressed: u64,
-        d_act: u64,
-        d_out: u64,
+        p: GemmPointers,
         d_workspace: u64,
         stream: Stream,
     ) -> Result<i32> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (one, beta) = (1.0f32, 0.0f32);
+        let alpha = self.alpha_pointer(&one, p.alpha);
         let mut streams = [stream];
         let status = unsafe {
             (lt.lib.cusparseLtMatmulSearch)(
                 lt.raw(),
                 &mut *self.plan,
-                &alpha as *const f32 as *const c_void,
-                d_weight_compressed as *const c_void,
-                d_act as *const c_void,
+                alpha,
+                p.weight as *const c_void,
+                p.act as *const c_void,
                 &beta as *const f32 as *const c_void,
-                d_out as *const c_void,
-                d_out as *mut c_void,
+                p.out as *const c_void,
+                p.out as *mut c_void,
                 d_workspace as *mut c_void,
                 streams.as_mut_ptr(),
                 1,

@@ -55,6 +55,9 @@ pub const SPARSITY_50_PERCENT: i32 = 0;
 pub const ALG_DEFAULT: i32 = 0;
 pub const ALG_CONFIG_ID: i32 = 0;
 pub const ALG_CONFIG_MAX_ID: i32 = 1;
+/// `CUSPARSELT_MATMUL_ALPHA_VECTOR_SCALING` (an `int`, 1 = on): alpha becomes a device
+/// vector with one entry per row of D.
+pub const MATMUL_ALPHA_VECTOR_SCALING: i32 = 5;
 
 type H = *const Opaque;
 type M = *mut Opaque;
@@ -96,6 +99,7 @@ bindings! {
     cusparseLtStructuredDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32, i32) -> Status;
     cusparseLtMatDescriptorDestroy: fn(H) -> Status;
     cusparseLtMatmulDescriptorInit: fn(H, M, i32, i32, H, H, H, H, i32) -> Status;
+    cusparseLtMatmulDescSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;
     cusparseLtMatmulAlgSelectionInit: fn(H, M, H, i32) -> Status;
     cusparseLtMatmulAlgSelectionDestroy: fn(H) -> Status;
     cusparseLtMatmulAlgSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;

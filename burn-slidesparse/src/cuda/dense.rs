@@ -3,13 +3,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn_cubecl::{FloatElement, tensor::CubeTensor};
+use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::{prelude::*, server::Handle};
 
 use super::{
+    accumulator::Accumulator,
     backend::{Runtime, launch_epilogue, launch_quant_lift, m_pad, ptr},
     cublaslt::{DenseShape, WORKSPACE},
-    cusparselt,
     ordering::run_ordered,
     state::{DeviceState, device_state},
 };
@@ -69,8 +69,10 @@ impl DenseLayerGpu {
         })
     }
 
-    /// `Y [m, n]` for contiguous `X [m, k]`.
-    pub fn forward<F: FloatElement>(&self, x: &CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
+    /// `Y [m, n]` for `X [m, k]` (made contiguous first: burn-cuda may allocate 2-D
+    /// tensors with padded, "pitched", rows), in `X`'s float dtype.
+    pub fn forward(&self, x: &CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
+        let x = &into_contiguous(x.clone());
         let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
         if k != self.k {
             return Err(SlideSparseError::shape("dense layer input", self.k, k));
@@ -79,9 +81,11 @@ impl DenseLayerGpu {
         let m_pad = m_pad(m, self.precision);
         let codes = client.empty(m_pad * self.k_pad * self.precision.element_bytes());
         let token_scales = client.empty(m_pad * 4);
-        let acc = client.empty(m_pad * self.n * cusparselt::output_bytes(self.precision));
-        let out = client.empty(m * self.n * core::mem::size_of::<F>());
-        launch_quant_lift::<F>(
+        let dtype = x.dtype;
+        let accumulator = Accumulator::dense(self.precision, dtype);
+        let acc = client.empty(m_pad * self.n * accumulator.bytes());
+        let out = client.empty(m * self.n * dtype.size());
+        launch_quant_lift(
             &client,
             &x.handle,
             &codes,
@@ -89,6 +93,7 @@ impl DenseLayerGpu {
             (m, m_pad, k, k, self.k_pad),
             0,
             self.precision,
+            dtype,
         )?;
         {
             let shape = DenseShape {
@@ -96,6 +101,7 @@ impl DenseLayerGpu {
                 n: self.n,
                 k: self.k_pad,
                 precision: self.precision,
+                accumulator,
             };
             let (p_w, p_x, p_acc) = (
                 ptr(&client, &self.weight)?,
@@ -139,7 +145,7 @@ impl DenseLayerGpu {
                 },
             )?;
         }
-        launch_epilogue::<F>(
+        launch_epilogue(
             &client,
             &acc,
             &token_scales,
@@ -147,14 +153,15 @@ impl DenseLayerGpu {
             self.bias.as_ref(),
             &out,
             (m, m_pad, self.n, self.n),
-            self.precision,
+            accumulator,
+            dtype,
         )?;
         Ok(CubeTensor::new_contiguous(
             client,
             x.device.clone(),
             burn::tensor::Shape::new([m, self.n]),
             out,
-            F::dtype(),
+            dtype,
         ))
     }
 }

@@ -11,12 +11,13 @@ use std::{collections::BTreeMap, time::Instant};
 
 use burn::{
     nn::LinearConfig,
-    tensor::{Distribution, Tensor, backend::Backend},
+    tensor::{DType, Distribution, Tensor, backend::Backend},
 };
 use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
     PackOptions, Precision, SlideSparseLinear, SparsityPattern,
     cuda::{
+        accumulator::Accumulator,
         backend::{launch_epilogue, launch_quant_lift, m_pad},
         dense::DenseLayerGpu,
         ordering::SyncMode,
@@ -32,8 +33,10 @@ use rayon::prelude::*;
 
 use super::{Args, model_shapes, parse_list, rotation, sweep};
 
-type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
-type GpuBf16 = CubeBackend<CudaRuntime, bf16, i32, u8>;
+/// Activations in bf16, as in LLM inference (and in the anchor's sparse GEMM outputs).
+type Gpu = CubeBackend<CudaRuntime, bf16, i32, u8>;
+/// Bytes of one activation element.
+const ACT_BYTES: usize = 2;
 /// One SlideSparse layer per pattern.
 type SparseVariants = Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>;
 
@@ -72,12 +75,12 @@ fn median_ms<B: Backend>(
 
 /// Device-to-device copy bandwidth (bytes read + written per second), through burn.
 fn copy_bandwidth(device: &burn::tensor::Device<Gpu>) -> f64 {
-    let n = 256 << 20; // 1 GiB of f32
+    let n = 512 << 20; // 1 GiB of bf16
     let x = Tensor::<Gpu, 1>::random([n], Distribution::Default, device);
     let ms = median_ms::<Gpu>(device, 3, 20, |_| {
         let _ = x.clone().add_scalar(1.0);
     });
-    2.0 * 4.0 * n as f64 / (ms / 1e3)
+    2.0 * (ACT_BYTES * n) as f64 / (ms / 1e3)
 }
 
 pub fn layer_bench(args: &Args) {
@@ -99,7 +102,7 @@ pub fn layer_bench(args: &Args) {
             let w = random_weight(n, k, li as u64 + 1);
             let bf16_linear = LinearConfig::new(k, n)
                 .with_bias(false)
-                .init::<GpuBf16>(&device);
+                .init::<Gpu>(&device);
             let mut layers: Vec<(Precision, DenseLayerGpu, SparseVariants)> = Vec::new();
             for &precision in &precisions {
                 let dense =
@@ -119,15 +122,12 @@ pub fn layer_bench(args: &Args) {
                 layers.push((precision, dense, sparse));
             }
             for &m in &ms {
-                let rot = rotation(m * k * 4, 2);
+                let rot = rotation(m * k * ACT_BYTES, 2);
                 let xs: Vec<Tensor<Gpu, 2>> = (0..rot)
                     .map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device))
                     .collect();
-                let xb: Vec<Tensor<GpuBf16, 2>> = (0..rot)
-                    .map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device))
-                    .collect();
-                let bf16_ms = median_ms::<GpuBf16>(&device, 5, args.reps, |i| {
-                    let _ = bf16_linear.forward(xb[i % rot].clone());
+                let bf16_ms = median_ms::<Gpu>(&device, 5, args.reps, |i| {
+                    let _ = bf16_linear.forward(xs[i % rot].clone());
                 });
                 for (precision, dense, sparse) in &layers {
                     let key = (model.clone(), precision.to_string(), m);
@@ -138,7 +138,7 @@ pub fn layer_bench(args: &Args) {
                         .map(|x| x.clone().into_primitive().tensor())
                         .collect();
                     let dense_ms = median_ms::<Gpu>(&device, 5, args.reps, |i| {
-                        let _ = dense.forward::<f32>(&prims[i % rot]).unwrap();
+                        let _ = dense.forward(&prims[i % rot]).unwrap();
                     });
                     *entry.entry("dense".into()).or_default() += dense_ms;
                     let mut line = format!(
@@ -157,7 +157,7 @@ pub fn layer_bench(args: &Args) {
                             ));
                         }
                     }
-                    if m <= 64 && *precision == Precision::Int8 {
+                    if args.decode_designs && m <= 64 && *precision == Precision::Int8 {
                         decode.push(sync_cost(
                             &device, dense, sparse, &xs, &prims, args.reps, &model, n, k, m,
                         ));
@@ -224,7 +224,7 @@ fn sync_cost(
     let run = |mode: SyncMode| {
         state.lock().unwrap().sync_mode = mode;
         let d = median_ms::<Gpu>(device, 5, reps, |i| {
-            let _ = dense.forward::<f32>(&prims[i % rot]).unwrap();
+            let _ = dense.forward(&prims[i % rot]).unwrap();
         });
         let s = median_ms::<Gpu>(device, 5, reps, |i| {
             let _ = layer.forward(xs[i % rot].clone());
@@ -268,7 +268,7 @@ fn stage_times(
     let codes = client.empty(mp * g.k_prime());
     let scales = client.empty(mp * 4);
     let lift_ms = median_ms::<Gpu>(device, 3, reps, |i| {
-        launch_quant_lift::<f32>(
+        launch_quant_lift(
             client,
             &xs[i % rot].handle,
             &codes,
@@ -276,11 +276,12 @@ fn stage_times(
             (m, mp, k, g.k_slide(), g.k_prime()),
             g.n,
             precision,
+            DType::BF16,
         )
         .unwrap();
     });
     let plain_ms = median_ms::<Gpu>(device, 3, reps, |i| {
-        launch_quant_lift::<f32>(
+        launch_quant_lift(
             client,
             &xs[i % rot].handle,
             &codes,
@@ -288,15 +289,17 @@ fn stage_times(
             (m, mp, k, k, k.next_multiple_of(16)),
             0,
             precision,
+            DType::BF16,
         )
         .unwrap();
     });
     let n_pad = n.next_multiple_of(32);
-    let acc = client.empty(mp * n_pad * 4);
+    let accumulator = Accumulator::sparse(precision, DType::BF16);
+    let acc = client.empty(mp * n_pad * accumulator.bytes());
     let sw = client.empty(n * 4);
-    let out = client.empty(m * n * 4);
+    let out = client.empty(m * n * ACT_BYTES);
     let epi_ms = median_ms::<Gpu>(device, 3, reps, |_| {
-        launch_epilogue::<f32>(
+        launch_epilogue(
             client,
             &acc,
             &scales,
@@ -304,13 +307,14 @@ fn stage_times(
             None,
             &out,
             (m, mp, n, n_pad),
-            precision,
+            accumulator,
+            DType::BF16,
         )
         .unwrap();
     });
-    let lift_bytes = (m * k * 4 + mp * g.k_prime() + mp * 4) as f64;
-    let plain_bytes = (m * k * 4 + mp * k.next_multiple_of(16) + mp * 4) as f64;
-    let epi_bytes = (m * n * 4 + m * n * 4 + m * 4 + n * 4) as f64;
+    let lift_bytes = (m * k * ACT_BYTES + mp * g.k_prime() + mp * 4) as f64;
+    let plain_bytes = (m * k * ACT_BYTES + mp * k.next_multiple_of(16) + mp * 4) as f64;
+    let epi_bytes = (m * n * (accumulator.bytes() + ACT_BYTES) + m * 4 + n * 4) as f64;
     serde_json::json!({
         "model": model, "shape": [n, k], "m": m, "precision": precision.to_string(), "pattern": pattern.to_string(),
         "quant_lift_ms": lift_ms, "quant_lift_gbs": lift_bytes / (lift_ms / 1e3) / 1e9,

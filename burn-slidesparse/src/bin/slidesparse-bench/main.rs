@@ -8,13 +8,16 @@
 
 use std::{collections::BTreeMap, time::Instant};
 
+use burn::tensor::DType;
 use burn_slidesparse::{
     Precision, SparsityPattern,
     cuda::{
+        accumulator::Accumulator,
         cublaslt::{DenseShape, WORKSPACE},
-        cusparselt::{self, GemmShape, MatDescriptor},
+        cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
         state::device_state,
     },
+    format::f32_bytes,
 };
 use clap::Parser;
 use cudarc::driver::{result as cu, sys};
@@ -39,6 +42,11 @@ struct Args {
     reps: usize,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Layer mode: also time the opt-in device-flag ordering at decode (M <= 64, INT8). Off
+    /// by default: it stalls for seconds when cuSPARSELt's persistent kernels wait for the
+    /// SM its spin kernel holds (see docs/benchmarks.md).
+    #[arg(long)]
+    decode_designs: bool,
 }
 
 /// (name, [(N, K)] of qkv, o, gate_up, down).
@@ -200,7 +208,14 @@ fn gemm_bench(args: &Args) {
         for &(n, k) in &model_shapes(&model) {
             for &precision in &precisions {
                 let elem = precision.element_bytes();
-                let out_bytes = cusparselt::output_bytes(precision);
+                // The GEMMs of an f32 layer (exact INT32 / FP32 accumulators).
+                let (sparse_acc, dense_acc) = (
+                    Accumulator::sparse(precision, DType::F32),
+                    Accumulator::dense(precision, DType::F32),
+                );
+                let out_bytes = sparse_acc.bytes().max(dense_acc.bytes());
+                // Alpha vector of the INT8 sparse GEMM (weight scales; ones here).
+                let alpha = Buf::upload(&f32_bytes(&vec![1.0; n]));
                 let dense_w = Buf::upload(&random_codes(n * k, precision, 1));
                 // Sparse weights per pattern, compressed once.
                 let mut sparse_w = Vec::new();
@@ -234,6 +249,7 @@ fn gemm_bench(args: &Args) {
                         n,
                         k,
                         precision,
+                        accumulator: dense_acc,
                     };
                     let dense_ms = {
                         let dense = st.dense_gemm().unwrap();
@@ -257,13 +273,24 @@ fn gemm_bench(args: &Args) {
                             n_pad: n,
                             k_prime: *kp,
                             precision,
+                            accumulator: sparse_acc,
                         };
                         if st.needs_search(&shape) {
                             let lt = &st.lt as *const _;
                             let plan = st.plan(shape).unwrap();
                             // SAFETY: `lt` outlives this call; plan and handle are distinct fields.
                             let id = unsafe {
-                                plan.search(&*lt, comp.0, xs[0].0, out.0, workspace.0, stream as _)
+                                plan.search(
+                                    &*lt,
+                                    GemmPointers {
+                                        weight: comp.0,
+                                        act: xs[0].0,
+                                        out: out.0,
+                                        alpha: alpha.0,
+                                    },
+                                    workspace.0,
+                                    stream as _,
+                                )
                             }
                             .unwrap();
                             st.remember(&shape, id);
@@ -276,8 +303,18 @@ fn gemm_bench(args: &Args) {
                             plan.workspace
                         );
                         sparse_ms.push(events.median_ms(stream, 5, |i| unsafe {
-                            plan.run(&*lt, comp.0, xs[i % rot].0, out.0, workspace.0, stream as _)
-                                .unwrap()
+                            plan.run(
+                                &*lt,
+                                GemmPointers {
+                                    weight: comp.0,
+                                    act: xs[i % rot].0,
+                                    out: out.0,
+                                    alpha: alpha.0,
+                                },
+                                workspace.0,
+                                stream as _,
+                            )
+                            .unwrap()
                         }));
                     }
                     let e = results
