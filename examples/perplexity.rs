@@ -6,18 +6,16 @@
 
 use std::{path::PathBuf, time::Instant};
 
-use burn::{
-    backend::NdArray,
-    tensor::{Int, Tensor, TensorData, activation::log_softmax},
-};
+use burn::backend::NdArray;
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SparsityPattern, gguf::GgufFile, sparsify_with,
 };
 use clap::Parser;
 use slidesparse_examples::{
+    eval::{calibration_norms, perplexity},
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
-    llama::{KvCache, Llama},
+    llama::Llama,
     tokenizer::Tokenizer,
 };
 
@@ -49,33 +47,6 @@ struct Args {
     calibration_tokens: usize,
 }
 
-/// (negative log-likelihood sum, scored tokens) over sliding windows.
-fn nll(model: &Llama<B>, ids: &[u32], window: usize, stride: usize) -> (f64, usize) {
-    let device = Default::default();
-    let (mut total, mut count, mut scored_until) = (0.0f64, 0usize, 1usize);
-    let mut start = 0;
-    loop {
-        let end = (start + window).min(ids.len());
-        let chunk: Vec<i64> = ids[start..end].iter().map(|&i| i as i64).collect();
-        let n = chunk.len();
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(chunk.clone(), [1, n]), &device);
-        let logp = log_softmax(model.forward(input, &mut KvCache::default()), 2);
-        let logp: Vec<f32> = logp.into_data().into_vec().unwrap();
-        let vocab = logp.len() / n;
-        // Score target positions not scored by an earlier window.
-        for pos in scored_until.max(start + 1)..end {
-            let local = pos - start;
-            total -= logp[(local - 1) * vocab + chunk[local] as usize] as f64;
-            count += 1;
-        }
-        scored_until = end;
-        if end == ids.len() {
-            return (total, count);
-        }
-        start += stride;
-    }
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let path = smollm2_gguf(args.gguf.as_deref())?;
@@ -100,29 +71,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dense = load_llama::<B>(&file, args.window.max(2048), &Default::default())?;
     let report = |name: &str, model: &Llama<B>| {
         let t = Instant::now();
-        let (nll, n) = nll(model, &ids, args.window, args.stride);
+        let (ppl, n) = perplexity(model, &ids, args.window, args.stride);
         println!(
-            "{name:<24} ppl {:>9.3}  ({n} tokens, {:.0} s)",
-            (nll / n as f64).exp(),
+            "{name:<24} ppl {ppl:>9.3}  ({n} tokens, {:.0} s)",
             t.elapsed().as_secs_f64()
         );
     };
     report("dense f32", &dense);
     let norms = if args.prune.contains("wanda") {
         let text = std::fs::read_to_string(&args.calibration)?;
-        let mut calib = tok.encode(&text);
-        calib.truncate(args.calibration_tokens);
-        let ids: Vec<i64> = calib.iter().map(|&i| i as i64).collect();
-        let input = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(ids, [1, calib.len()]),
-            &Default::default(),
-        );
+        let calib = tok.encode(&text);
         println!(
             "calibrated on {} tokens of {}",
-            calib.len(),
+            calib.len().min(args.calibration_tokens),
             args.calibration.display()
         );
-        dense.input_norms(input)
+        calibration_norms(&dense, &calib, args.calibration_tokens)
     } else {
         Default::default()
     };

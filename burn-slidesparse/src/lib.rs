@@ -22,9 +22,11 @@ pub use backend::{LayerSpec, SlideSparseBackend};
 pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
 pub mod checkpoint;
 pub mod demo;
+pub mod masked;
 pub mod swap;
 
-pub use swap::{MaybeSparseLinear, VisitLinears, sparsify, sparsify_with};
+pub use masked::MaskedLinear;
+pub use swap::{MaybeSparseLinear, VisitLinears, mask_with, sparsify, sparsify_with};
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gguf;

@@ -1,4 +1,5 @@
-//! Swapping a model's `nn::Linear` layers for `SlideSparseLinear`.
+//! Swapping a model's `nn::Linear` layers for `SlideSparseLinear` (or for a trainable
+//! [`MaskedLinear`] first, to fine-tune under the sparsity pattern).
 //!
 //! Rust models have fixed field types, so a model that wants to choose per layer holds
 //! [`MaybeSparseLinear`] fields and lists them through [`VisitLinears`]; [`sparsify`] then
@@ -13,15 +14,20 @@ use burn::{
 use crate::{
     backend::SlideSparseBackend,
     error::{Result, SlideSparseError},
+    masked::MaskedLinear,
     module::SlideSparseLinear,
     pack::PackOptions,
+    pattern::SparsityPattern,
+    prune::PruneMethod,
 };
 
-/// A linear layer that is either dense (`burn::nn::Linear`) or SlideSparse.
+/// A linear layer that is dense (`burn::nn::Linear`), dense under a training mask
+/// ([`MaskedLinear`]) or SlideSparse. Exactly one field is set.
 #[derive(Module, Debug)]
 pub struct MaybeSparseLinear<B: Backend> {
     dense: Option<Linear<B>>,
     sparse: Option<SlideSparseLinear<B>>,
+    masked: Option<MaskedLinear<B>>,
 }
 
 impl<B: Backend> From<Linear<B>> for MaybeSparseLinear<B> {
@@ -29,6 +35,7 @@ impl<B: Backend> From<Linear<B>> for MaybeSparseLinear<B> {
         Self {
             dense: Some(linear),
             sparse: None,
+            masked: None,
         }
     }
 }
@@ -38,6 +45,17 @@ impl<B: Backend> From<SlideSparseLinear<B>> for MaybeSparseLinear<B> {
         Self {
             dense: None,
             sparse: Some(layer),
+            masked: None,
+        }
+    }
+}
+
+impl<B: Backend> From<MaskedLinear<B>> for MaybeSparseLinear<B> {
+    fn from(layer: MaskedLinear<B>) -> Self {
+        Self {
+            dense: None,
+            sparse: None,
+            masked: Some(layer),
         }
     }
 }
@@ -58,11 +76,33 @@ impl<B: Backend> MaybeSparseLinear<B> {
         self.sparse.as_ref()
     }
 
-    /// Packs a dense layer in place (a sparse layer is left as it is).
+    /// The masked (trainable sparse) layer, if it is one.
+    pub fn masked(&self) -> Option<&MaskedLinear<B>> {
+        self.masked.as_ref()
+    }
+
+    /// Packs a dense layer (pruning it with `options`) or a masked layer (checking its
+    /// pattern instead of pruning) in place; a sparse layer is left as it is.
     pub fn sparsify(&mut self, options: &PackOptions) -> Result<()> {
         if let Some(dense) = &self.dense {
-            let sparse = SlideSparseLinear::from_linear(dense, options)?;
-            *self = sparse.into();
+            *self = SlideSparseLinear::from_linear(dense, options)?.into();
+        } else if let Some(masked) = &self.masked {
+            *self = masked.to_sparse(options)?.into();
+        }
+        Ok(())
+    }
+
+    /// Prunes a dense layer to `pattern` with `method` and keeps it trainable under the mask
+    /// (masked and sparse layers are left as they are).
+    pub fn mask(&mut self, pattern: SparsityPattern, method: &PruneMethod) -> Result<()> {
+        if let Some(dense) = self.dense.take() {
+            match MaskedLinear::from_linear(dense.clone(), pattern, method) {
+                Ok(masked) => *self = masked.into(),
+                Err(e) => {
+                    self.dense = Some(dense);
+                    return Err(e);
+                }
+            }
         }
         Ok(())
     }
@@ -71,10 +111,11 @@ impl<B: Backend> MaybeSparseLinear<B> {
 impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
     /// `[..., in] -> [..., out]` through whichever layer this is.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        match (&self.dense, &self.sparse) {
-            (Some(dense), _) => dense.forward(input),
-            (None, Some(sparse)) => sparse.forward(input),
-            (None, None) => unreachable!("MaybeSparseLinear holds one layer"),
+        match (&self.dense, &self.sparse, &self.masked) {
+            (Some(dense), _, _) => dense.forward(input),
+            (None, Some(sparse), _) => sparse.forward(input),
+            (None, None, Some(masked)) => masked.forward(input),
+            (None, None, None) => unreachable!("MaybeSparseLinear holds one layer"),
         }
     }
 }
@@ -115,4 +156,25 @@ pub fn sparsify_with<B: Backend, M: VisitLinears<B>>(
         Ok(())
     })?;
     Ok(packed)
+}
+
+/// Prunes every dense linear layer of `model` for which `method_for(name)` gives a method
+/// to `pattern`, keeping it trainable under the mask ([`MaskedLinear`]); returns the names
+/// masked. Pack the fine-tuned model afterwards with [`sparsify`].
+pub fn mask_with<B: Backend, M: VisitLinears<B>>(
+    model: &mut M,
+    pattern: SparsityPattern,
+    method_for: impl Fn(&str) -> Option<PruneMethod>,
+) -> Result<Vec<String>> {
+    let mut masked = Vec::new();
+    model.visit_linears(&mut |name, layer| {
+        if let Some(method) = method_for(name).filter(|_| layer.dense().is_some()) {
+            layer
+                .mask(pattern, &method)
+                .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
+            masked.push(name.to_string());
+        }
+        Ok(())
+    })?;
+    Ok(masked)
 }

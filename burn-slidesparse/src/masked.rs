@@ -1,0 +1,144 @@
+//! Training with a fixed `(2N-2):2N` mask: `MaskedLinear`, a `burn::nn::Linear` whose pruned
+//! weights stay exactly zero through every optimizer step.
+//!
+//! How the invariant holds: the forward uses `W ⊙ M` (M the 0/1 mask), so the gradient of
+//! every pruned weight is exactly zero; the weights start pruned (zero), and an Adam/AdamW/SGD
+//! step with a zero gradient leaves a zero weight at zero (first and second moments stay 0,
+//! decoupled weight decay scales 0). Even an optimizer that moved them could not change the
+//! function, because the forward masks again; [`MaskedLinear::apply_mask`] makes the stored
+//! weights match the function before packing.
+//!
+//! Conversions: [`MaskedLinear::from_linear`] prunes an `nn::Linear` (magnitude or
+//! activation-aware, as the packer does), [`MaskedLinear::to_sparse`] packs the trained layer
+//! into a [`SlideSparseLinear`] for inference (the pattern is checked, nothing is re-pruned).
+
+use burn::{
+    module::{Module, Param, ParamId},
+    nn::Linear,
+    tensor::{Tensor, TensorData, backend::Backend},
+};
+
+use crate::{
+    error::{Result, SlideSparseError},
+    module::SlideSparseLinear,
+    pack::PackOptions,
+    pattern::SparsityPattern,
+    prune::{PruneMethod, check_pattern, prune},
+};
+
+/// A dense linear layer trained under a fixed sparsity mask.
+#[derive(Module, Debug)]
+pub struct MaskedLinear<B: Backend> {
+    /// The layer; its weight (`[in, out]`, burn's layout) is zero wherever the mask is.
+    pub linear: Linear<B>,
+    /// `1` where a weight may be nonzero, `0` where it was pruned (`[in, out]`); not trained.
+    pub mask: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> MaskedLinear<B> {
+    /// Prunes `linear` to `pattern` with `method` and masks it.
+    pub fn from_linear(
+        linear: Linear<B>,
+        pattern: SparsityPattern,
+        method: &PruneMethod,
+    ) -> Result<Self> {
+        let weight = linear.weight.val();
+        let device = weight.device();
+        let [d_in, d_out] = weight.dims();
+        // The pruner works on the PyTorch layout `[out, in]`, blocks along `in`.
+        let w = read_f32(weight.transpose().into_data(), "linear weight")?;
+        let pruned = prune("linear.weight", &w, d_out, d_in, pattern, method)?;
+        let mask: Vec<f32> = pruned
+            .iter()
+            .map(|v| if *v != 0.0 { 1.0 } else { 0.0 })
+            .collect();
+        let to_burn_layout = |values: Vec<f32>| {
+            Tensor::<B, 2>::from_data(TensorData::new(values, [d_out, d_in]), &device).transpose()
+        };
+        let mask = to_burn_layout(mask);
+        let weight = to_burn_layout(pruned);
+        Ok(Self {
+            linear: Linear {
+                weight: trainable(linear.weight.id, weight),
+                bias: linear.bias,
+            },
+            mask: Param::from_tensor(mask).set_require_grad(false),
+        })
+    }
+
+    /// The weight the layer computes with, `W ⊙ M`.
+    pub fn effective_weight(&self) -> Tensor<B, 2> {
+        self.linear.weight.val() * self.mask.val()
+    }
+
+    /// `[..., in] -> [..., out]` with the masked weight.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        burn::tensor::module::linear(
+            input,
+            self.effective_weight(),
+            self.linear.bias.as_ref().map(|b| b.val()),
+        )
+    }
+
+    /// Writes `W ⊙ M` into the weight parameter (same parameter id), so that stored weights
+    /// equal the function even after an optimizer that does not respect zero gradients.
+    pub fn apply_mask(self) -> Self {
+        let masked = self.effective_weight().detach();
+        Self {
+            linear: Linear {
+                weight: trainable(self.linear.weight.id, masked),
+                bias: self.linear.bias,
+            },
+            mask: self.mask,
+        }
+    }
+
+    /// Errors unless the stored weight satisfies `pattern` and is zero wherever the mask is.
+    pub fn check(&self, pattern: SparsityPattern) -> Result<()> {
+        let weight = self.linear.weight.val();
+        let [d_in, d_out] = weight.dims();
+        let w = read_f32(weight.clone().transpose().into_data(), "weight")?;
+        check_pattern("masked weight", &w, d_out, d_in, pattern)?;
+        let outside = read_f32(
+            (weight * (self.mask.val().neg() + 1.0))
+                .abs()
+                .sum()
+                .into_data(),
+            "masked-out weights",
+        )?;
+        if outside[0] != 0.0 {
+            return Err(SlideSparseError::Backend(format!(
+                "masked weight: pruned positions hold nonzero values (sum |w| = {})",
+                outside[0]
+            )));
+        }
+        Ok(())
+    }
+
+    /// Packs the trained layer for inference with `options` (its pattern must be the mask's;
+    /// pruning is replaced by a check, so the packed layer computes the masked function up
+    /// to quantization).
+    pub fn to_sparse(&self, options: &PackOptions) -> Result<SlideSparseLinear<B>> {
+        let linear = Linear {
+            weight: Param::from_tensor(self.effective_weight()),
+            bias: self.linear.bias.clone(),
+        };
+        let options = PackOptions {
+            prune: PruneMethod::None,
+            ..options.clone()
+        };
+        SlideSparseLinear::from_linear(&linear, &options)
+    }
+}
+
+/// A parameter with the given id whose tensor requires gradients (a tensor built from data
+/// does not, and `Param::map` keeps that: the optimizer would then never update it).
+fn trainable<B: Backend>(id: ParamId, value: Tensor<B, 2>) -> Param<Tensor<B, 2>> {
+    Param::initialized(id, value.require_grad())
+}
+
+fn read_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
+    data.convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| SlideSparseError::Backend(format!("reading {what}: {e:?}")))
+}

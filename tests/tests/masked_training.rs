@@ -1,0 +1,204 @@
+//! Training under a fixed sparsity mask (`MaskedLinear`): the pruned weights stay exactly zero
+//! through optimizer steps, and packing the fine-tuned layer reproduces the masked layer.
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    module::{AutodiffModule, Module},
+    nn::LinearConfig,
+    optim::{AdamConfig, AdamWConfig, GradientsParams, Optimizer},
+    tensor::{Tensor, TensorData, backend::Backend},
+};
+use burn_slidesparse::{
+    MaskedLinear, MaybeSparseLinear, PackOptions, Precision, PruneMethod, SlideSparseError,
+    SparsityPattern, VisitLinears, mask_with, sparsify,
+};
+use slidesparse_tests::{random_f32, rng};
+
+type Cpu = NdArray;
+type Train = Autodiff<NdArray>;
+
+fn input<B: Backend>(values: Vec<f32>, shape: [usize; 2]) -> Tensor<B, 2> {
+    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+}
+
+fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+/// Stored weights `[in, out]` read as `[out, in]` rows.
+fn rows_of(layer: &MaskedLinear<impl Backend>) -> Vec<f32> {
+    values(layer.linear.weight.val().transpose())
+}
+
+/// A random `nn::Linear` masked to `pattern` (magnitude pruning).
+fn masked_layer<B: Backend>(
+    d_in: usize,
+    d_out: usize,
+    pattern: SparsityPattern,
+) -> MaskedLinear<B> {
+    let linear = LinearConfig::new(d_in, d_out).init::<B>(&Default::default());
+    MaskedLinear::from_linear(linear, pattern, &PruneMethod::Magnitude).unwrap()
+}
+
+/// Trains `layer` for `steps` Adam (or AdamW with weight decay) steps on random regression
+/// data and returns it.
+fn train(mut layer: MaskedLinear<Train>, steps: usize, adamw: bool) -> MaskedLinear<Train> {
+    let mut rng = rng(7);
+    let [d_in, d_out] = layer.linear.weight.dims();
+    let mut adam = AdamConfig::new().init::<Train, MaskedLinear<Train>>();
+    let mut adamw_opt = AdamWConfig::new()
+        .with_weight_decay(0.1)
+        .init::<Train, MaskedLinear<Train>>();
+    for _ in 0..steps {
+        let x = input::<Train>(random_f32(&mut rng, 8 * d_in), [8, d_in]);
+        let target = input::<Train>(random_f32(&mut rng, 8 * d_out), [8, d_out]);
+        let loss = (layer.forward(x) - target).powf_scalar(2.0).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &layer);
+        layer = if adamw {
+            adamw_opt.step(1e-2, layer, grads)
+        } else {
+            adam.step(1e-2, layer, grads)
+        };
+    }
+    layer
+}
+
+#[test]
+fn pruned_weights_stay_exactly_zero_through_optimizer_steps() {
+    for pattern in [SparsityPattern::P2_4, SparsityPattern::P6_8] {
+        for adamw in [false, true] {
+            let layer = masked_layer::<Train>(48, 24, pattern);
+            let before = rows_of(&layer);
+            layer.check(pattern).unwrap();
+            let trained = train(layer, 20, adamw);
+            let after = rows_of(&trained);
+            // The kept weights moved (the test would pass vacuously otherwise) ...
+            let moved = before
+                .iter()
+                .zip(&after)
+                .filter(|(b, a)| **b != 0.0 && b != a)
+                .count();
+            assert!(moved > before.len() / 4, "{pattern}: only {moved} moved");
+            // ... and every pruned weight is still exactly zero, so the pattern holds.
+            for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+                if *b == 0.0 {
+                    assert_eq!(a.to_bits(), 0.0f32.to_bits(), "{pattern} weight {i}");
+                }
+            }
+            trained.check(pattern).unwrap();
+        }
+    }
+}
+
+#[test]
+fn the_mask_follows_the_pattern_and_the_mask_is_not_trained() {
+    let pattern = SparsityPattern::P6_8;
+    let layer = masked_layer::<Train>(64, 16, pattern);
+    let mask_before = values(layer.mask.val());
+    let trained = train(layer, 5, false);
+    assert_eq!(values(trained.mask.val()), mask_before);
+    // 6 of every 8 weights per row kept.
+    let kept = mask_before.iter().filter(|v| **v == 1.0).count();
+    assert_eq!(kept, 64 * 16 * 6 / 8);
+}
+
+#[test]
+fn an_optimizer_that_ignores_zero_gradients_is_undone_by_apply_mask() {
+    // Simulate such an optimizer by writing nonzeros into pruned positions.
+    let pattern = SparsityPattern::P4_6;
+    let layer = masked_layer::<Cpu>(36, 8, pattern);
+    let polluted = MaskedLinear {
+        linear: burn::nn::Linear {
+            weight: layer.linear.weight.clone().map(|w| w + 0.5),
+            bias: layer.linear.bias.clone(),
+        },
+        mask: layer.mask.clone(),
+    };
+    assert!(polluted.check(pattern).is_err());
+    // The function already ignores them; apply_mask makes the stored weights agree.
+    let x = input::<Cpu>(random_f32(&mut rng(3), 4 * 36), [4, 36]);
+    let before = values(polluted.forward(x.clone()));
+    let fixed = polluted.apply_mask();
+    fixed.check(pattern).unwrap();
+    assert_eq!(values(fixed.forward(x)), before);
+}
+
+#[test]
+fn packing_a_fine_tuned_layer_gives_the_masked_layers_outputs() {
+    let pattern = SparsityPattern::P6_8;
+    let trained = train(masked_layer::<Train>(96, 40, pattern), 10, false).valid();
+    let x = input::<Cpu>(random_f32(&mut rng(11), 5 * 96), [5, 96]);
+    let expected = values(trained.forward(x.clone()));
+    for (precision, tolerance) in [(Precision::F32, 1e-6), (Precision::Int8, 2e-2)] {
+        let packed = trained
+            .to_sparse(&PackOptions::new(pattern, precision))
+            .unwrap();
+        let got = values(packed.forward(x.clone()));
+        let num: f32 = got
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum();
+        let den: f32 = expected.iter().map(|b| b * b).sum();
+        let err = (num / den).sqrt();
+        assert!(err < tolerance, "{precision}: rel err {err}");
+    }
+}
+
+#[test]
+fn packing_with_another_pattern_is_a_clear_error_not_a_silent_prune() {
+    let trained = masked_layer::<Cpu>(48, 8, SparsityPattern::P6_8);
+    // 6:8 blocks may hold 3 nonzeros in a 2:4 window; packing as 2:4 must refuse.
+    let err = trained
+        .to_sparse(&PackOptions::new(SparsityPattern::P2_4, Precision::Int8))
+        .unwrap_err();
+    assert!(
+        matches!(err, SlideSparseError::PatternViolation { .. }),
+        "{err}"
+    );
+}
+
+#[derive(Module, Debug)]
+struct TwoLayers<B: Backend> {
+    up: MaybeSparseLinear<B>,
+    head: MaybeSparseLinear<B>,
+}
+
+impl<B: Backend> VisitLinears<B> for TwoLayers<B> {
+    fn visit_linears(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut MaybeSparseLinear<B>) -> burn_slidesparse::Result<()>,
+    ) -> burn_slidesparse::Result<()> {
+        f("up", &mut self.up)?;
+        f("head", &mut self.head)
+    }
+}
+
+#[test]
+fn mask_with_then_sparsify_turns_a_model_masked_then_packed() {
+    let device = Default::default();
+    let mut model = TwoLayers::<Cpu> {
+        up: LinearConfig::new(32, 16).init(&device).into(),
+        head: LinearConfig::new(16, 4).init(&device).into(),
+    };
+    let masked = mask_with(&mut model, SparsityPattern::P6_8, |name| {
+        (name != "head").then_some(PruneMethod::Magnitude)
+    })
+    .unwrap();
+    assert_eq!(masked, ["up"]);
+    assert!(model.up.masked().is_some() && model.head.dense().is_some());
+    let x = input::<Cpu>(random_f32(&mut rng(5), 3 * 32), [3, 32]);
+    let masked_out = values(model.up.forward(x.clone()));
+    let packed = sparsify(
+        &mut model,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::F32),
+        |name| name == "up",
+    )
+    .unwrap();
+    assert_eq!(packed, ["up"]);
+    assert!(model.up.is_sparse());
+    let packed_out = values(model.up.forward(x));
+    for (a, b) in packed_out.iter().zip(&masked_out) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+    }
+}
