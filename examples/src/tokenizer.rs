@@ -71,6 +71,91 @@ impl Tokenizer {
         }
         let tokens = strings(file, "tokenizer.ggml.tokens")?;
         let merges = strings(file, "tokenizer.ggml.merges")?;
+        let id = |key: &str| {
+            file.metadata
+                .get(key)
+                .and_then(|v| v.as_u64())
+                .map(|v| v as u32)
+        };
+        Ok(Self::from_parts(
+            tokens,
+            &merges,
+            id("tokenizer.ggml.bos_token_id"),
+            id("tokenizer.ggml.eos_token_id"),
+        ))
+    }
+
+    /// From a Hugging Face `tokenizer.json` with a byte-level BPE model (`model.type = BPE`,
+    /// `vocab` and `merges` as `"a b"` strings or `["a", "b"]` pairs); `bos` / `eos` are
+    /// looked up by their token text among `added_tokens` and the vocabulary.
+    pub fn from_tokenizer_json(
+        json: &str,
+        bos: Option<&str>,
+        eos: Option<&str>,
+    ) -> Result<Self, SlideSparseError> {
+        let err = |what: String| SlideSparseError::Backend(format!("tokenizer.json: {what}"));
+        let root: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| err(format!("not JSON: {e}")))?;
+        let model = &root["model"];
+        if model["type"].as_str() != Some("BPE") {
+            return Err(err(format!(
+                "model type {} is not supported (BPE)",
+                model["type"]
+            )));
+        }
+        let vocab = model["vocab"]
+            .as_object()
+            .ok_or_else(|| err("model.vocab missing".into()))?;
+        let mut by_id: Vec<(u32, String)> = Vec::with_capacity(vocab.len());
+        for (token, id) in vocab {
+            let id = id
+                .as_u64()
+                .ok_or_else(|| err(format!("id of {token:?} is not an integer")))?;
+            by_id.push((id as u32, token.clone()));
+        }
+        for added in root["added_tokens"].as_array().into_iter().flatten() {
+            if let (Some(id), Some(content)) = (added["id"].as_u64(), added["content"].as_str()) {
+                by_id.push((id as u32, content.to_string()));
+            }
+        }
+        by_id.sort();
+        by_id.dedup_by_key(|(id, _)| *id);
+        if by_id
+            .iter()
+            .enumerate()
+            .any(|(i, (id, _))| *id as usize != i)
+        {
+            return Err(err("token ids are not 0..n without gaps".into()));
+        }
+        let tokens: Vec<String> = by_id.into_iter().map(|(_, t)| t).collect();
+        let merges: Vec<String> = model["merges"]
+            .as_array()
+            .ok_or_else(|| err("model.merges missing".into()))?
+            .iter()
+            .map(|m| match m {
+                serde_json::Value::String(s) => Ok(s.clone()),
+                serde_json::Value::Array(pair) if pair.len() == 2 => Ok(format!(
+                    "{} {}",
+                    pair[0].as_str().unwrap_or_default(),
+                    pair[1].as_str().unwrap_or_default()
+                )),
+                other => Err(err(format!("merge {other} is not a pair"))),
+            })
+            .collect::<Result<_, _>>()?;
+        let find = |text: Option<&str>| {
+            text.and_then(|t| tokens.iter().position(|x| x == t).map(|i| i as u32))
+        };
+        let (bos, eos) = (find(bos), find(eos));
+        Ok(Self::from_parts(tokens, &merges, bos, eos))
+    }
+
+    /// From the vocabulary (index = id), the merges (`"a b"`, by rank) and special ids.
+    pub fn from_parts(
+        tokens: Vec<String>,
+        merges: &[String],
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Self {
         let ids = tokens
             .iter()
             .enumerate()
@@ -90,21 +175,15 @@ impl Tokenizer {
             .enumerate()
             .map(|(b, &c)| (c, b as u8))
             .collect();
-        let id = |key: &str| {
-            file.metadata
-                .get(key)
-                .and_then(|v| v.as_u64())
-                .map(|v| v as u32)
-        };
-        Ok(Self {
+        Self {
             tokens,
             ids,
             ranks,
             byte_to_char,
             char_to_byte,
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
-        })
+            bos,
+            eos,
+        }
     }
 
     /// Token ids of `text` (no BOS added).

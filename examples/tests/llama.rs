@@ -313,3 +313,213 @@ fn calibration_norms_drive_activation_aware_packing() {
     );
     assert_eq!(logits(&sparse, &[2, 4]).len(), 2 * 64);
 }
+
+/// `[out, in]` rows of a dense layer of the model (burn stores `[in, out]`).
+fn rows_of(layer: &burn_slidesparse::MaybeSparseLinear<B>) -> (Vec<f32>, Vec<usize>) {
+    let w = layer.dense().unwrap().weight.val().transpose();
+    let shape = w.dims().to_vec();
+    (w.into_data().into_vec().unwrap(), shape)
+}
+
+/// Inverse of the loader's permutation: adjacent pairs back to the rotate-half layout.
+fn adjacent_to_rotate_half(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    row_len: usize,
+) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = (h * head_dim + 2 * i + j) * row_len;
+                let dst = (h * head_dim + j * half + i) * row_len;
+                out[dst..dst + row_len].copy_from_slice(&values[src..src + row_len]);
+            }
+        }
+    }
+    out
+}
+
+/// Writes `model` as a Hugging Face checkpoint folder (config.json + bf16-free f32
+/// model.safetensors, Q/K rows and biases in the rotate-half layout).
+fn write_hf_checkpoint(model: &Llama<B>, config: &LlamaConfig, dir: &std::path::Path) {
+    use burn_slidesparse::format::{OwnedTensor, f32_bytes, serialize};
+    let hd = config.head_dim();
+    let mut tensors = Vec::new();
+    let mut add = |name: String, values: Vec<f32>, shape: Vec<usize>| {
+        tensors.push((
+            name,
+            OwnedTensor {
+                dtype: safetensors::Dtype::F32,
+                shape,
+                data: f32_bytes(&values),
+            },
+        ));
+    };
+    let vec1 = |t: Tensor<B, 1>| -> Vec<f32> { t.into_data().into_vec().unwrap() };
+    add(
+        "model.embed_tokens.weight".into(),
+        model.embed.weight.val().into_data().into_vec().unwrap(),
+        vec![config.vocab_size, config.hidden],
+    );
+    for (i, b) in model.blocks.iter().enumerate() {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        for (name, layer, heads) in [
+            ("self_attn.q_proj", &b.q, config.heads),
+            ("self_attn.k_proj", &b.k, config.kv_heads),
+            ("self_attn.v_proj", &b.v, 0),
+            ("self_attn.o_proj", &b.o, 0),
+            ("mlp.gate_proj", &b.gate, 0),
+            ("mlp.up_proj", &b.up, 0),
+            ("mlp.down_proj", &b.down, 0),
+        ] {
+            let (w, shape) = rows_of(layer);
+            let w = if heads > 0 {
+                adjacent_to_rotate_half(&w, heads, hd, shape[1])
+            } else {
+                w
+            };
+            add(p(&format!("{name}.weight")), w, shape.clone());
+            if let Some(bias) = &layer.dense().unwrap().bias {
+                let v = vec1(bias.val());
+                let v = if heads > 0 {
+                    adjacent_to_rotate_half(&v, heads, hd, 1)
+                } else {
+                    v
+                };
+                add(p(&format!("{name}.bias")), v, vec![shape[0]]);
+            }
+        }
+        add(
+            p("input_layernorm.weight"),
+            vec1(b.attn_norm.gamma.val()),
+            vec![config.hidden],
+        );
+        add(
+            p("post_attention_layernorm.weight"),
+            vec1(b.mlp_norm.gamma.val()),
+            vec![config.hidden],
+        );
+    }
+    add(
+        "model.norm.weight".into(),
+        vec1(model.norm.gamma.val()),
+        vec![config.hidden],
+    );
+    let (head, shape) = rows_of(&model.lm_head);
+    add("lm_head.weight".into(), head, shape);
+    std::fs::write(
+        dir.join("model.safetensors"),
+        serialize(&tensors, Default::default()).unwrap(),
+    )
+    .unwrap();
+    let config_json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": config.vocab_size, "hidden_size": config.hidden,
+        "intermediate_size": config.intermediate, "num_hidden_layers": config.layers,
+        "num_attention_heads": config.heads, "num_key_value_heads": config.kv_heads,
+        "rope_theta": config.rope_base, "rms_norm_eps": config.rms_eps,
+        "tie_word_embeddings": false,
+    });
+    std::fs::write(dir.join("config.json"), config_json.to_string()).unwrap();
+}
+
+#[test]
+fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
+    use slidesparse_examples::hf_llama::load_hf_llama;
+    let device = Default::default();
+    // Qwen2-style: q/k/v bias, untied head; random norms so that they are checked too.
+    let config = tiny_config()
+        .with_qkv_bias(true)
+        .with_tie_embeddings(false)
+        .with_rope_base(10000.0)
+        .with_rms_eps(1e-6);
+    let mut model = config.init::<B>(&device);
+    for block in &mut model.blocks {
+        block.attn_norm.gamma = block
+            .attn_norm
+            .gamma
+            .clone()
+            .map(|g| g.random_like(burn::tensor::Distribution::Uniform(0.5, 1.5)));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_hf_checkpoint(&model, &config, dir.path());
+    let loaded = load_hf_llama::<B>(dir.path(), 64, &device).unwrap();
+    let ids = [3i64, 17, 42, 5, 63, 0, 9];
+    let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
+    let max = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(max < 1e-5, "max logit difference {max}");
+
+    // A missing tensor and a wrong shape are named.
+    let st = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept: Vec<(String, burn_slidesparse::format::OwnedTensor)> = Vec::new();
+    for (name, view) in parsed.tensors() {
+        if name == "model.layers.1.mlp.up_proj.weight" {
+            continue;
+        }
+        kept.push((
+            name.clone(),
+            burn_slidesparse::format::OwnedTensor {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            },
+        ));
+    }
+    std::fs::write(
+        &st,
+        burn_slidesparse::format::serialize(&kept, Default::default()).unwrap(),
+    )
+    .unwrap();
+    let err = load_hf_llama::<B>(dir.path(), 64, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type": "gpt_neox"}"#,
+    )
+    .unwrap();
+    let err = load_hf_llama::<B>(dir.path(), 64, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("gpt_neox"), "{err}");
+}
+
+#[test]
+fn tokenizer_json_builds_the_same_byte_level_bpe() {
+    // A tiny byte-level BPE: every byte as a token, plus merges "h e" -> "he", "he l" -> "hel".
+    let byte_chars: Vec<String> = {
+        // GPT-2 byte map of the printable ASCII range is the identity.
+        (b'!'..=b'~').map(|b| (b as char).to_string()).collect()
+    };
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in byte_chars.iter().enumerate() {
+        vocab.insert(t.clone(), i.into());
+    }
+    let n = byte_chars.len();
+    vocab.insert("he".into(), n.into());
+    vocab.insert("hel".into(), (n + 1).into());
+    let json = serde_json::json!({
+        "added_tokens": [{"id": n + 2, "content": "<|im_start|>"}, {"id": n + 3, "content": "<|im_end|>"}],
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["h e", ["he", "l"]]},
+    });
+    let tok =
+        Tokenizer::from_tokenizer_json(&json.to_string(), Some("<|im_start|>"), Some("<|im_end|>"))
+            .unwrap();
+    assert_eq!(tok.bos, Some(n as u32 + 2));
+    assert_eq!(tok.eos, Some(n as u32 + 3));
+    let ids = tok.encode("hello");
+    assert_eq!(ids[0], n as u32 + 1, "merged 'hel' first: {ids:?}");
+    assert_eq!(tok.decode(&ids), "hello");
+    // Not BPE: a clear error.
+    let bad = serde_json::json!({"model": {"type": "Unigram"}});
+    assert!(Tokenizer::from_tokenizer_json(&bad.to_string(), None, None).is_err());
+}

@@ -1,0 +1,311 @@
+//! Loading a Hugging Face Llama / Qwen2 checkpoint (`config.json`, `model.safetensors` or a
+//! sharded `model.safetensors.index.json`, F32/F16/BF16) into [`Llama`] with dense layers.
+//! Every tensor is checked for presence and shape; errors name the tensor and the file.
+//!
+//! Hugging Face stores the Q and K projection rows of each head in the "rotate half" RoPE
+//! layout (pairs `(i, i + d/2)`); the model here rotates adjacent pairs `(2i, 2i + 1)` like
+//! GGUF, so those rows (and the Qwen2 q/k biases) are permuted on load.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+};
+
+use burn::{
+    module::Param,
+    nn::{Embedding, RmsNorm},
+    tensor::{Tensor, TensorData, backend::Backend},
+};
+use burn_slidesparse::{SlideSparseError, format::read_f32};
+
+use crate::{
+    gguf_llama::linear_from_rows,
+    llama::{Llama, LlamaConfig, tied_head},
+};
+
+fn err(what: impl std::fmt::Display) -> SlideSparseError {
+    SlideSparseError::Backend(what.to_string())
+}
+
+/// The model configuration from `config.json` (`model_type` `llama` or `qwen2`).
+pub fn config_from_json(json: &str) -> Result<LlamaConfig, SlideSparseError> {
+    let c: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| err(format!("config.json: {e}")))?;
+    let int = |key: &str| {
+        c[key]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| err(format!("config.json: {key:?} missing or not an integer")))
+    };
+    let model_type = c["model_type"].as_str().unwrap_or("?");
+    let qkv_bias = match model_type {
+        "llama" => false,
+        "qwen2" => true,
+        other => {
+            return Err(err(format!(
+                "config.json: model_type {other:?} is not supported (llama, qwen2)"
+            )));
+        }
+    };
+    let heads = int("num_attention_heads")?;
+    Ok(LlamaConfig::new(
+        int("vocab_size")?,
+        int("hidden_size")?,
+        int("intermediate_size")?,
+        int("num_hidden_layers")?,
+        heads,
+        int("num_key_value_heads").unwrap_or(heads),
+    )
+    .with_rope_base(c["rope_theta"].as_f64().unwrap_or(10000.0) as f32)
+    .with_rms_eps(c["rms_norm_eps"].as_f64().unwrap_or(1e-6))
+    .with_tie_embeddings(c["tie_word_embeddings"].as_bool().unwrap_or(false))
+    .with_qkv_bias(qkv_bias))
+}
+
+/// The safetensors files of a checkpoint folder: the shards named by
+/// `model.safetensors.index.json`, else `model.safetensors`.
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, SlideSparseError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| err(format!("{}: {e}", index.display())))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| err(format!("{}: {e}", index.display())))?;
+        let mut files: Vec<String> = json["weight_map"]
+            .as_object()
+            .ok_or_else(|| err(format!("{}: no weight_map", index.display())))?
+            .values()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        Ok(vec![single])
+    } else {
+        Err(err(format!(
+            "{}: neither model.safetensors nor model.safetensors.index.json",
+            dir.display()
+        )))
+    }
+}
+
+/// All tensors of the checkpoint as f32 with their shapes.
+struct Tensors {
+    map: HashMap<String, (Vec<f32>, Vec<usize>)>,
+    dir: PathBuf,
+}
+
+impl Tensors {
+    fn load(dir: &Path) -> Result<Self, SlideSparseError> {
+        let mut map = HashMap::new();
+        for path in shard_paths(dir)? {
+            let bytes =
+                std::fs::read(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| err(format!("{}: {e}", path.display())))?;
+            for (name, view) in st.tensors() {
+                map.insert(
+                    name.clone(),
+                    (read_f32(&name, &view)?, view.shape().to_vec()),
+                );
+            }
+        }
+        Ok(Self {
+            map,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The values of `name`, whose shape must be `shape`.
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, SlideSparseError> {
+        let (values, actual) =
+            self.map
+                .get(name)
+                .ok_or_else(|| SlideSparseError::MissingTensor {
+                    name: name.to_string(),
+                    path: self.dir.display().to_string(),
+                })?;
+        if actual != shape {
+            return Err(SlideSparseError::ShapeMismatch {
+                what: format!("tensor {name}"),
+                expected: format!("{shape:?}"),
+                actual: format!("{actual:?}"),
+            });
+        }
+        Ok(values.clone())
+    }
+}
+
+/// Reorders the rows of each head from the rotate-half layout to adjacent pairs:
+/// adjacent row `2i + j` of a head is rotate-half row `j * d/2 + i`. `row_len` is 1 for a
+/// bias vector.
+pub fn rotate_half_to_adjacent(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    row_len: usize,
+) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let dst = (h * head_dim + 2 * i + j) * row_len;
+                let src = (h * head_dim + j * half + i) * row_len;
+                out[dst..dst + row_len].copy_from_slice(&values[src..src + row_len]);
+            }
+        }
+    }
+    out
+}
+
+/// Builds the model from a Hugging Face checkpoint folder.
+pub fn load_hf_llama<B: Backend>(
+    dir: &Path,
+    max_seq_len: usize,
+    device: &B::Device,
+) -> Result<Llama<B>, SlideSparseError> {
+    let config_path = dir.join("config.json");
+    let json = std::fs::read_to_string(&config_path)
+        .map_err(|e| err(format!("{}: {e}", config_path.display())))?;
+    let config = config_from_json(&json)?.with_max_seq_len(max_seq_len);
+    let t = Tensors::load(dir)?;
+    let (h, ff, hd) = (config.hidden, config.intermediate, config.head_dim());
+    let (q_out, kv_out) = (config.heads * hd, config.kv_heads * hd);
+    let mut model = config.init::<B>(device);
+    let tensor1 =
+        |v: Vec<f32>, n: usize| Tensor::<B, 1>::from_data(TensorData::new(v, [n]), device);
+    let norm = |base: RmsNorm<B>, name: &str| -> Result<RmsNorm<B>, SlideSparseError> {
+        let mut base = base;
+        base.gamma = Param::from_tensor(tensor1(t.get(name, &[h])?, h));
+        Ok(base)
+    };
+    model.embed = Embedding {
+        weight: Param::from_tensor(Tensor::from_data(
+            TensorData::new(
+                t.get("model.embed_tokens.weight", &[config.vocab_size, h])?,
+                [config.vocab_size, h],
+            ),
+            device,
+        )),
+    };
+    for (i, block) in model.blocks.iter_mut().enumerate() {
+        let name = |s: &str| format!("model.layers.{i}.{s}");
+        let dense = |s: &str, out: usize, inp: usize| -> Result<Vec<f32>, SlideSparseError> {
+            t.get(&name(&format!("{s}.weight")), &[out, inp])
+        };
+        let bias =
+            |s: &str, out: usize, heads: usize| -> Result<Option<Vec<f32>>, SlideSparseError> {
+                if !config.qkv_bias {
+                    return Ok(None);
+                }
+                let b = t.get(&name(&format!("{s}.bias")), &[out])?;
+                Ok(Some(if heads > 0 {
+                    rotate_half_to_adjacent(&b, heads, hd, 1)
+                } else {
+                    b
+                }))
+            };
+        let q = rotate_half_to_adjacent(&dense("self_attn.q_proj", q_out, h)?, config.heads, hd, h);
+        let k = rotate_half_to_adjacent(
+            &dense("self_attn.k_proj", kv_out, h)?,
+            config.kv_heads,
+            hd,
+            h,
+        );
+        block.q = linear_from_rows(
+            &q,
+            q_out,
+            h,
+            bias("self_attn.q_proj", q_out, config.heads)?,
+            device,
+        )
+        .into();
+        block.k = linear_from_rows(
+            &k,
+            kv_out,
+            h,
+            bias("self_attn.k_proj", kv_out, config.kv_heads)?,
+            device,
+        )
+        .into();
+        block.v = linear_from_rows(
+            &dense("self_attn.v_proj", kv_out, h)?,
+            kv_out,
+            h,
+            bias("self_attn.v_proj", kv_out, 0)?,
+            device,
+        )
+        .into();
+        block.o = linear_from_rows(
+            &dense("self_attn.o_proj", h, q_out)?,
+            h,
+            q_out,
+            None,
+            device,
+        )
+        .into();
+        block.gate = linear_from_rows(&dense("mlp.gate_proj", ff, h)?, ff, h, None, device).into();
+        block.up = linear_from_rows(&dense("mlp.up_proj", ff, h)?, ff, h, None, device).into();
+        block.down = linear_from_rows(&dense("mlp.down_proj", h, ff)?, h, ff, None, device).into();
+        block.attn_norm = norm(block.attn_norm.clone(), &name("input_layernorm.weight"))?;
+        block.mlp_norm = norm(
+            block.mlp_norm.clone(),
+            &name("post_attention_layernorm.weight"),
+        )?;
+    }
+    model.norm = norm(model.norm.clone(), "model.norm.weight")?;
+    model.lm_head = if config.tie_embeddings {
+        tied_head(&model.embed)
+    } else {
+        let w = t.get("lm_head.weight", &[config.vocab_size, h])?;
+        linear_from_rows(&w, config.vocab_size, h, None, device).into()
+    };
+    Ok(model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rotate_half_to_adjacent;
+
+    /// Hugging Face RoPE ("rotate half"): pair `(i, i + d/2)` rotated by angle `p * f_i`.
+    fn rope_rotate_half(x: &[f32], p: f32) -> Vec<f32> {
+        let half = x.len() / 2;
+        let mut y = x.to_vec();
+        for i in 0..half {
+            let a = p * 10000f32.powf(-2.0 * i as f32 / x.len() as f32);
+            y[i] = x[i] * a.cos() - x[i + half] * a.sin();
+            y[i + half] = x[i + half] * a.cos() + x[i] * a.sin();
+        }
+        y
+    }
+
+    /// RoPE on adjacent pairs `(2i, 2i + 1)` (GGUF, burn's `RotaryEncoding`).
+    fn rope_adjacent(x: &[f32], p: f32) -> Vec<f32> {
+        let mut y = x.to_vec();
+        for i in 0..x.len() / 2 {
+            let a = p * 10000f32.powf(-2.0 * i as f32 / x.len() as f32);
+            y[2 * i] = x[2 * i] * a.cos() - x[2 * i + 1] * a.sin();
+            y[2 * i + 1] = x[2 * i + 1] * a.cos() + x[2 * i] * a.sin();
+        }
+        y
+    }
+
+    #[test]
+    fn the_row_permutation_turns_hf_rope_into_adjacent_pair_rope() {
+        // q = W x for one head: permuting W's rows permutes q the same way; RoPE then must
+        // commute with the permutation for the attention scores to be unchanged.
+        let d = 8;
+        let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.7).sin()).collect();
+        for p in [0.0, 1.0, 5.0, 37.0] {
+            let hf = rotate_half_to_adjacent(&rope_rotate_half(&q, p), 1, d, 1);
+            let ours = rope_adjacent(&rotate_half_to_adjacent(&q, 1, d, 1), p);
+            for (a, b) in hf.iter().zip(&ours) {
+                assert!((a - b).abs() < 1e-6, "position {p}: {hf:?} vs {ours:?}");
+            }
+        }
+    }
+}
