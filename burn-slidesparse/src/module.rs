@@ -273,20 +273,19 @@ fn codes_from_values(values: Vec<f32>, precision: Precision) -> WeightCodes {
     }
 }
 
+/// A parameter in the backend's float type, named explicitly: burn 0.21 otherwise uses the
+/// device's default dtype, which another backend on the same device may have set.
 fn float_param<B: Backend, const D: usize>(
     values: Vec<f32>,
     shape: &[usize],
     device: &B::Device,
 ) -> Param<Tensor<B, D>> {
-    // The backend's float type named explicitly: burn 0.21 otherwise uses the device's
-    // default dtype, which another backend on the same device may have set.
-    let options = TensorCreationOptions::default()
-        .with_device(device.clone())
-        .with_dtype(<B::FloatElem as burn::tensor::Element>::dtype());
-    Param::from_tensor(Tensor::from_data(
-        TensorData::new(values, shape.to_vec()),
-        options,
-    ))
+    param_of(
+        values,
+        shape,
+        device,
+        <B::FloatElem as burn::tensor::Element>::dtype(),
+    )
 }
 
 /// A parameter kept in f32 whatever the backend's float type: the weight scales multiply
@@ -296,9 +295,18 @@ fn f32_param<B: Backend, const D: usize>(
     shape: &[usize],
     device: &B::Device,
 ) -> Param<Tensor<B, D>> {
+    param_of(values, shape, device, DType::F32)
+}
+
+fn param_of<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: &[usize],
+    device: &B::Device,
+    dtype: DType,
+) -> Param<Tensor<B, D>> {
     let options = TensorCreationOptions::default()
         .with_device(device.clone())
-        .with_dtype(DType::F32);
+        .with_dtype(dtype);
     Param::from_tensor(Tensor::from_data(
         TensorData::new(values, shape.to_vec()),
         options,

@@ -148,13 +148,38 @@ pub fn rotate_half_to_adjacent(
     head_dim: usize,
     row_len: usize,
 ) -> Vec<f32> {
+    permute_head_rows(values, heads, head_dim, row_len, true)
+}
+
+/// The inverse of [`rotate_half_to_adjacent`] (for writing Hugging Face checkpoints).
+pub fn adjacent_to_rotate_half(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    row_len: usize,
+) -> Vec<f32> {
+    permute_head_rows(values, heads, head_dim, row_len, false)
+}
+
+fn permute_head_rows(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    row_len: usize,
+    to_adjacent: bool,
+) -> Vec<f32> {
     let half = head_dim / 2;
     let mut out = vec![0f32; values.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
-                let dst = (h * head_dim + 2 * i + j) * row_len;
-                let src = (h * head_dim + j * half + i) * row_len;
+                let adjacent = (h * head_dim + 2 * i + j) * row_len;
+                let rotate_half = (h * head_dim + j * half + i) * row_len;
+                let (dst, src) = if to_adjacent {
+                    (adjacent, rotate_half)
+                } else {
+                    (rotate_half, adjacent)
+                };
                 out[dst..dst + row_len].copy_from_slice(&values[src..src + row_len]);
             }
         }

@@ -321,31 +321,11 @@ fn rows_of(layer: &burn_slidesparse::MaybeSparseLinear<B>) -> (Vec<f32>, Vec<usi
     (w.into_data().into_vec().unwrap(), shape)
 }
 
-/// Inverse of the loader's permutation: adjacent pairs back to the rotate-half layout.
-fn adjacent_to_rotate_half(
-    values: &[f32],
-    heads: usize,
-    head_dim: usize,
-    row_len: usize,
-) -> Vec<f32> {
-    let half = head_dim / 2;
-    let mut out = vec![0f32; values.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for j in 0..2 {
-                let src = (h * head_dim + 2 * i + j) * row_len;
-                let dst = (h * head_dim + j * half + i) * row_len;
-                out[dst..dst + row_len].copy_from_slice(&values[src..src + row_len]);
-            }
-        }
-    }
-    out
-}
-
 /// Writes `model` as a Hugging Face checkpoint folder (config.json + bf16-free f32
 /// model.safetensors, Q/K rows and biases in the rotate-half layout).
 fn write_hf_checkpoint(model: &Llama<B>, config: &LlamaConfig, dir: &std::path::Path) {
     use burn_slidesparse::format::{OwnedTensor, f32_bytes, serialize};
+    use slidesparse_examples::hf_llama::adjacent_to_rotate_half;
     let hd = config.head_dim();
     let mut tensors = Vec::new();
     let mut add = |name: String, values: Vec<f32>, shape: Vec<usize>| {

@@ -1,6 +1,35 @@
 //! Helpers shared by the cross-crate integration tests in `tests/tests/`.
 
+use burn::{module::Module, nn::LinearConfig, tensor::backend::Backend};
+use burn_slidesparse::{MaybeSparseLinear, VisitLinears};
 use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// A two-layer model that lists its linears by name: `up` (`[d_in -> d_hidden]`) and
+/// `head` (`[d_hidden -> d_out]`), both dense at first.
+#[derive(Module, Debug)]
+pub struct TwoLayers<B: Backend> {
+    pub up: MaybeSparseLinear<B>,
+    pub head: MaybeSparseLinear<B>,
+}
+
+impl<B: Backend> TwoLayers<B> {
+    pub fn new(d_in: usize, d_hidden: usize, d_out: usize, device: &B::Device) -> Self {
+        Self {
+            up: LinearConfig::new(d_in, d_hidden).init(device).into(),
+            head: LinearConfig::new(d_hidden, d_out).init(device).into(),
+        }
+    }
+}
+
+impl<B: Backend> VisitLinears<B> for TwoLayers<B> {
+    fn visit_linears(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut MaybeSparseLinear<B>) -> burn_slidesparse::Result<()>,
+    ) -> burn_slidesparse::Result<()> {
+        f("up", &mut self.up)?;
+        f("head", &mut self.head)
+    }
+}
 
 /// A deterministic RNG per test (fresh data per seed; seeds differ between tests).
 pub fn rng(seed: u64) -> StdRng {

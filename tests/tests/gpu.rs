@@ -572,60 +572,43 @@ fn epilogue_kernel_matches_host() {
                     })
                     .collect();
                 let label = format!("{ty:?} scaled={channel_scaled} n={n} bias={with_bias}");
-                // f32 output.
-                let out = client.empty(m * n * 4);
-                launch_epilogue(
-                    &client,
-                    &acc_h,
-                    &sx_h,
-                    &sw_h,
-                    with_bias.then_some(&b_h),
-                    &out,
-                    (m, m_pad, n, n_pad),
-                    accumulator,
-                    burn::tensor::DType::F32,
-                )
-                .unwrap();
-                let got: Vec<f32> = client
-                    .read_one(out)
-                    .unwrap()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect();
-                let err = rel_err(&got, &expected);
-                assert!(
-                    err < 1e-6,
-                    "{label} f32 out: rel err {err:.2e}, got {:?} expected {:?}",
-                    &got[..got.len().min(6)],
-                    &expected[..expected.len().min(6)]
-                );
-                // bf16 output.
-                let out = client.empty(m * n * 2);
-                launch_epilogue(
-                    &client,
-                    &acc_h,
-                    &sx_h,
-                    &sw_h,
-                    with_bias.then_some(&b_h),
-                    &out,
-                    (m, m_pad, n, n_pad),
-                    accumulator,
-                    burn::tensor::DType::BF16,
-                )
-                .unwrap();
-                let got: Vec<f32> = client
-                    .read_one(out)
-                    .unwrap()
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes(c.try_into().unwrap()).elem::<f32>())
-                    .collect();
-                let err = rel_err(&got, &expected);
-                assert!(
-                    err < 5e-3,
-                    "{label} bf16 out: rel err {err:.2e}, got {:?} expected {:?}",
-                    &got[..got.len().min(6)],
-                    &expected[..expected.len().min(6)]
-                );
+                for (dtype, tolerance) in [
+                    (burn::tensor::DType::F32, 1e-6),
+                    (burn::tensor::DType::BF16, 5e-3),
+                ] {
+                    let out = client.empty(m * n * dtype.size());
+                    launch_epilogue(
+                        &client,
+                        &acc_h,
+                        &sx_h,
+                        &sw_h,
+                        with_bias.then_some(&b_h),
+                        &out,
+                        (m, m_pad, n, n_pad),
+                        accumulator,
+                        dtype,
+                    )
+                    .unwrap();
+                    let bytes = client.read_one(out).unwrap();
+                    let got: Vec<f32> = if dtype == burn::tensor::DType::F32 {
+                        bytes
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                            .collect()
+                    } else {
+                        bytes
+                            .chunks_exact(2)
+                            .map(|c| bf16::from_le_bytes(c.try_into().unwrap()).elem::<f32>())
+                            .collect()
+                    };
+                    let err = rel_err(&got, &expected);
+                    assert!(
+                        err < tolerance,
+                        "{label} {dtype:?} out: rel err {err:.2e}, got {:?} expected {:?}",
+                        &got[..got.len().min(6)],
+                        &expected[..expected.len().min(6)]
+                    );
+                }
             }
         }
     }

@@ -3,16 +3,16 @@
 
 use burn::{
     backend::{Autodiff, NdArray},
-    module::{AutodiffModule, Module},
+    module::AutodiffModule,
     nn::LinearConfig,
     optim::{AdamConfig, AdamWConfig, GradientsParams, Optimizer},
     tensor::{Tensor, TensorData, backend::Backend},
 };
 use burn_slidesparse::{
-    MaskedLinear, MaybeSparseLinear, PackOptions, Precision, PruneMethod, SlideSparseError,
-    SparsityPattern, VisitLinears, mask_with, sparsify,
+    MaskedLinear, PackOptions, Precision, PruneMethod, SlideSparseError, SparsityPattern,
+    mask_with, sparsify,
 };
-use slidesparse_tests::{random_f32, rng};
+use slidesparse_tests::{TwoLayers, random_f32, rng};
 
 type Cpu = NdArray;
 type Train = Autodiff<NdArray>;
@@ -158,29 +158,10 @@ fn packing_with_another_pattern_is_a_clear_error_not_a_silent_prune() {
     );
 }
 
-#[derive(Module, Debug)]
-struct TwoLayers<B: Backend> {
-    up: MaybeSparseLinear<B>,
-    head: MaybeSparseLinear<B>,
-}
-
-impl<B: Backend> VisitLinears<B> for TwoLayers<B> {
-    fn visit_linears(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut MaybeSparseLinear<B>) -> burn_slidesparse::Result<()>,
-    ) -> burn_slidesparse::Result<()> {
-        f("up", &mut self.up)?;
-        f("head", &mut self.head)
-    }
-}
-
 #[test]
 fn mask_with_then_sparsify_turns_a_model_masked_then_packed() {
     let device = Default::default();
-    let mut model = TwoLayers::<Cpu> {
-        up: LinearConfig::new(32, 16).init(&device).into(),
-        head: LinearConfig::new(16, 4).init(&device).into(),
-    };
+    let mut model = TwoLayers::<Cpu>::new(32, 16, 4, &device);
     let masked = mask_with(&mut model, SparsityPattern::P6_8, |name| {
         (name != "head").then_some(PruneMethod::Magnitude)
     })

@@ -2,43 +2,22 @@
 
 use burn::{
     backend::NdArray,
-    module::Module,
-    nn::LinearConfig,
-    tensor::{Tensor, TensorData, backend::Backend},
+    tensor::{Tensor, TensorData},
 };
 use burn_slidesparse::{
-    MaybeSparseLinear, PackOptions, Precision, SlideSparseError, SparsityPattern, VisitLinears,
+    PackOptions, Precision, SlideSparseError, SparsityPattern,
     checkpoint::{LayerSelection, pack_checkpoint, verify_checkpoint, write_random_checkpoint},
     format::{self, PackedFile},
     pack_linear, sparsify,
 };
-use slidesparse_tests::{random_f32, rng};
+use slidesparse_tests::{TwoLayers, random_f32, rng};
 
 type B = NdArray;
-
-#[derive(Module, Debug)]
-struct TwoLayers<B: Backend> {
-    up: MaybeSparseLinear<B>,
-    head: MaybeSparseLinear<B>,
-}
-
-impl<B: Backend> VisitLinears<B> for TwoLayers<B> {
-    fn visit_linears(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut MaybeSparseLinear<B>) -> burn_slidesparse::Result<()>,
-    ) -> burn_slidesparse::Result<()> {
-        f("up", &mut self.up)?;
-        f("head", &mut self.head)
-    }
-}
 
 #[test]
 fn sparsify_swaps_the_included_layers_only() {
     let device = Default::default();
-    let mut model = TwoLayers::<B> {
-        up: LinearConfig::new(16, 32).init(&device).into(),
-        head: LinearConfig::new(32, 8).init(&device).into(),
-    };
+    let mut model = TwoLayers::<B>::new(16, 32, 8, &device);
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::F32);
     let packed = sparsify(&mut model, &options, |name| name != "head").unwrap();
     assert_eq!(packed, ["up"]);
