@@ -7,6 +7,7 @@
 //! GGUF, so those rows (and the Qwen2 q/k biases) are permuted on load.
 
 use std::{
+    cell::RefCell,
     collections::HashMap,
     path::{Path, PathBuf},
 };
@@ -92,9 +93,13 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, SlideSparseError> {
     }
 }
 
-/// All tensors of the checkpoint as f32 with their shapes.
+/// Values and shape of one tensor.
+type F32Tensor = (Vec<f32>, Vec<usize>);
+
+/// All tensors of the checkpoint as f32 with their shapes. Each is handed out once (moved,
+/// not copied): the loader reads every tensor exactly once.
 struct Tensors {
-    map: HashMap<String, (Vec<f32>, Vec<usize>)>,
+    map: RefCell<HashMap<String, F32Tensor>>,
     dir: PathBuf,
 }
 
@@ -114,16 +119,17 @@ impl Tensors {
             }
         }
         Ok(Self {
-            map,
+            map: RefCell::new(map),
             dir: dir.to_path_buf(),
         })
     }
 
-    /// The values of `name`, whose shape must be `shape`.
+    /// Takes the values of `name`, whose shape must be `shape`.
     fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, SlideSparseError> {
         let (values, actual) =
             self.map
-                .get(name)
+                .borrow_mut()
+                .remove(name)
                 .ok_or_else(|| SlideSparseError::MissingTensor {
                     name: name.to_string(),
                     path: self.dir.display().to_string(),
@@ -135,7 +141,7 @@ impl Tensors {
                 actual: format!("{actual:?}"),
             });
         }
-        Ok(values.clone())
+        Ok(values)
     }
 }
 

@@ -236,7 +236,8 @@ fn address_type(bytes: usize) -> AddressType {
     }
 }
 
-/// Input vector width (elements) of the quant kernel for `F`: 16 bytes where `K` allows.
+/// Input vector width (elements) of the quant kernel for elements of `elem_bytes`: 16 bytes
+/// where `K` allows.
 fn input_vector(k: usize, elem_bytes: usize) -> usize {
     let full = 16 / elem_bytes;
     [full, 4, 2, 1]
