@@ -89,17 +89,12 @@ fn generate(
             &device,
         )
     };
-    let mut pick_last = |logits: Tensor<B, 3>| -> u32 {
-        let [_, t, v] = logits.dims();
-        let last: Vec<f32> = logits
-            .slice([0..1, t - 1..t, 0..v])
-            .into_data()
-            .into_vec()
-            .expect("f32 logits");
+    let mut pick_last = |logits: Tensor<B, 2>| -> u32 {
+        let last: Vec<f32> = logits.into_data().into_vec().expect("f32 logits");
         sampling.pick(&last, &mut rng)
     };
     let start = Instant::now();
-    let mut next = pick_last(model.forward(input(prompt), &mut cache));
+    let mut next = pick_last(model.forward_last(input(prompt), &mut cache));
     let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
     let mut out = vec![next];
     print!("{}", tok.decode(&[next]));
@@ -108,7 +103,7 @@ fn generate(
         if Some(next) == tok.eos {
             break;
         }
-        next = pick_last(model.forward(input(&[next]), &mut cache));
+        next = pick_last(model.forward_last(input(&[next]), &mut cache));
         out.push(next);
         print!("{}", tok.decode(&[next]));
         std::io::stdout().flush().ok();

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer] [extra bench args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|model] [extra args...]
+# (`model` runs the model_throughput example; `all` runs tests, gemm and layer.)
 set -u
 OUT=${OUT:-/tmp/slidesparse-out}
 mkdir -p "$OUT"
@@ -11,6 +12,10 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export SLIDESPARSE_CACHE_DIR=${SLIDESPARSE_CACHE_DIR:-$OUT/cache}
 what=${1:-all}
 shift || true
+# The binaries travel xz-compressed (the device tool carries at most 64 MiB).
+if [ -f gpu-bin/gpu-bin.tar.xz ] && [ ! -x gpu-bin/gpu-tests ]; then
+  tar -C gpu-bin -xJf gpu-bin/gpu-bin.tar.xz
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
   ./gpu-bin/gpu-tests --ignored --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
@@ -25,3 +30,9 @@ for mode in gemm layer; do
     cat "$OUT/$mode.md"
   fi
 done
+if [ "$what" = model ]; then
+  ./gpu-bin/model_throughput --json "$OUT/model.json" "$@" > "$OUT/model.md" 2> "$OUT/model.err"
+  echo "model throughput exit code: $?"
+  tail -3 "$OUT/model.err"
+  cat "$OUT/model.md"
+fi

@@ -46,7 +46,19 @@ pub struct PackedTensors<B: Backend> {
     pub bias: Option<Tensor<B, 1>>,
 }
 
-/// A backend that can run SlideSparse linear layers.
+/// A dense quantized layer's tensors (the like-for-like baseline of SlideSparse: the same
+/// per-token quantization, GEMM and epilogue, without the slide), borrowed for preparation.
+#[derive(Clone, Debug)]
+pub struct DenseTensors<B: Backend> {
+    pub precision: Precision,
+    /// `W [out, in]` as code values (INT8 integers, decoded E4M3, or floats).
+    pub weight: Tensor<B, 2>,
+    /// Per-output-channel scales `[out]`.
+    pub scale: Tensor<B, 1>,
+    pub bias: Option<Tensor<B, 1>>,
+}
+
+/// A backend that can run SlideSparse linear layers (and their dense quantized baseline).
 pub trait SlideSparseBackend: Backend {
     /// The weights in the form the backend's forward consumes, built once per layer and
     /// device and cached by the module.
@@ -57,6 +69,15 @@ pub trait SlideSparseBackend: Backend {
 
     /// `Y [M, out] = dequant(quant(lift(X)) . W'^T) + b` for `X [M, K]`.
     fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2>;
+
+    /// Prepared weights of the dense quantized baseline ([`QuantizedLinear`](crate::QuantizedLinear)).
+    type DensePrepared: Clone + Debug + Send + Sync + 'static;
+
+    /// Builds the dense baseline's prepared weights. May synchronize and allocate.
+    fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared>;
+
+    /// `Y [M, out] = dequant(quant(X) . W^T) + b` for `X [M, K]`.
+    fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared) -> Tensor<Self, 2>;
 }
 
 /// What a prepared weight depends on: the weight and scale parameters and the device.
@@ -109,6 +130,21 @@ macro_rules! impl_reference_backend {
             fn slidesparse_forward(
                 x: burn::tensor::Tensor<Self, 2>,
                 prepared: &Self::Prepared,
+            ) -> burn::tensor::Tensor<Self, 2> {
+                $crate::reference::forward(x, prepared)
+            }
+
+            type DensePrepared = $crate::reference::ReferencePrepared<Self>;
+
+            fn dense_prepare(
+                weights: $crate::backend::DenseTensors<Self>,
+            ) -> $crate::Result<Self::DensePrepared> {
+                Ok($crate::reference::prepare_dense(weights))
+            }
+
+            fn dense_forward(
+                x: burn::tensor::Tensor<Self, 2>,
+                prepared: &Self::DensePrepared,
             ) -> burn::tensor::Tensor<Self, 2> {
                 $crate::reference::forward(x, prepared)
             }

@@ -23,10 +23,14 @@ pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
 pub mod checkpoint;
 pub mod demo;
 pub mod masked;
+pub mod quantized;
 pub mod swap;
 
 pub use masked::MaskedLinear;
-pub use swap::{MaybeSparseLinear, VisitLinears, mask_with, sparsify, sparsify_with};
+pub use quantized::QuantizedLinear;
+pub use swap::{
+    MaybeSparseLinear, VisitLinears, mask_with, quantize_dense, sparsify, sparsify_with,
+};
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gguf;

@@ -254,7 +254,7 @@ impl<B: SlideSparseBackend> SlideSparseLinear<B> {
 }
 
 /// Codes of a precision from their exact f32 values (the inverse of `WeightCodes::to_f32`).
-fn codes_from_values(values: Vec<f32>, precision: Precision) -> WeightCodes {
+pub(crate) fn codes_from_values(values: Vec<f32>, precision: Precision) -> WeightCodes {
     match precision {
         Precision::Int8 => WeightCodes::I8(values.iter().map(|&v| v as i8).collect()),
         Precision::Fp8 => WeightCodes::Fp8(
@@ -275,7 +275,7 @@ fn codes_from_values(values: Vec<f32>, precision: Precision) -> WeightCodes {
 
 /// A parameter in the backend's float type, named explicitly: burn 0.21 otherwise uses the
 /// device's default dtype, which another backend on the same device may have set.
-fn float_param<B: Backend, const D: usize>(
+pub(crate) fn float_param<B: Backend, const D: usize>(
     values: Vec<f32>,
     shape: &[usize],
     device: &B::Device,
@@ -290,7 +290,7 @@ fn float_param<B: Backend, const D: usize>(
 
 /// A parameter kept in f32 whatever the backend's float type: the weight scales multiply
 /// exact integer accumulators, and a bf16 scale would lose 8 bits of them.
-fn f32_param<B: Backend, const D: usize>(
+pub(crate) fn f32_param<B: Backend, const D: usize>(
     values: Vec<f32>,
     shape: &[usize],
     device: &B::Device,
@@ -313,7 +313,7 @@ fn param_of<B: Backend, const D: usize>(
     ))
 }
 
-fn to_vec_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
+pub(crate) fn to_vec_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
     data.convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| SlideSparseError::Backend(format!("reading {what}: {e:?}")))

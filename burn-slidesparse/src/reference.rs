@@ -12,7 +12,7 @@
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
 use crate::{
-    backend::{LayerSpec, PackedTensors},
+    backend::{DenseTensors, PackedTensors},
     fp8,
     quant::Precision,
 };
@@ -21,18 +21,21 @@ use crate::{
 /// token positive (its codes are all zero either way).
 pub const ACTIVATION_EPS: f32 = 1e-12;
 
-/// Prepared weights of the reference path.
+/// Prepared weights of the reference path (SlideSparse, or the dense baseline without a lift).
 #[derive(Clone, Debug)]
 pub struct ReferencePrepared<B: Backend> {
-    pub spec: LayerSpec,
+    pub precision: Precision,
+    /// Input width `K`.
+    pub in_features: usize,
     /// `W'^T [K', out]` as float code values (INT8 integers, decoded E4M3, or floats).
     pub weight_t: Tensor<B, 2>,
     /// `s_w [1, out]`.
     pub scale: Tensor<B, 2>,
     /// `b [1, out]`.
     pub bias: Option<Tensor<B, 2>>,
-    /// Lift map `[K']` into `X` extended with one zero column (index `K` means zero).
-    pub lift: Tensor<B, 1, Int>,
+    /// Lift map `[K']` into `X` extended with one zero column (index `K` means zero);
+    /// `None` for the dense baseline.
+    pub lift: Option<Tensor<B, 1, Int>>,
 }
 
 /// Transposes the weight for the matmul and builds the lift map.
@@ -47,21 +50,41 @@ pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
         .map(|i| i as i64)
         .collect();
     let k_prime = lift.len();
-    // Materialize the transpose once: a transposed view would be copied by some backends
-    // (NdArray) on every matmul.
-    let weight_t = Tensor::from_data(values.transpose().into_data(), &device);
     ReferencePrepared {
-        spec,
-        weight_t,
-        // The scales are stored in f32 (see `SlideSparseLinear::weight_scale`); compute in
-        // the backend's float type.
-        scale: weights
-            .scale
-            .cast(<B::FloatElem as burn::tensor::Element>::dtype())
-            .unsqueeze_dim(0),
+        precision: spec.precision,
+        in_features: spec.in_features,
+        weight_t: materialized_transpose(values),
+        scale: float_row(weights.scale),
         bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
-        lift: Tensor::from_data(TensorData::new(lift, [k_prime]), &device),
+        lift: Some(Tensor::from_data(TensorData::new(lift, [k_prime]), &device)),
     }
+}
+
+/// The dense baseline's prepared weights: the same as SlideSparse's without a lift.
+pub fn prepare_dense<B: Backend>(weights: DenseTensors<B>) -> ReferencePrepared<B> {
+    ReferencePrepared {
+        precision: weights.precision,
+        in_features: weights.weight.dims()[1],
+        weight_t: materialized_transpose(weights.weight),
+        scale: float_row(weights.scale),
+        bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
+        lift: None,
+    }
+}
+
+/// `W^T` materialized once: a transposed view would be copied by some backends (NdArray)
+/// on every matmul.
+fn materialized_transpose<B: Backend>(w: Tensor<B, 2>) -> Tensor<B, 2> {
+    let device = w.device();
+    Tensor::from_data(w.transpose().into_data(), &device)
+}
+
+/// `[out]` scales as a `[1, out]` row in the backend's float type (they are stored in f32,
+/// see `SlideSparseLinear::weight_scale`).
+fn float_row<B: Backend>(scale: Tensor<B, 1>) -> Tensor<B, 2> {
+    scale
+        .cast(<B::FloatElem as burn::tensor::Element>::dtype())
+        .unsqueeze_dim(0)
 }
 
 /// The lifted `X' [M, K']`: `X'[m, o] = X[m, src(o)]`, zero where `src(o)` is padding.
@@ -105,18 +128,20 @@ fn round_e4m3<B: Backend>(v: Tensor<B, 2>) -> Tensor<B, 2> {
 
 /// The reference forward of `X [M, K]`.
 pub fn forward<B: Backend>(x: Tensor<B, 2>, prepared: &ReferencePrepared<B>) -> Tensor<B, 2> {
-    let spec = &prepared.spec;
     let [_, k] = x.dims();
     assert_eq!(
-        k, spec.in_features,
+        k, prepared.in_features,
         "SlideSparse layer expects {} input features, got {k}",
-        spec.in_features
+        prepared.in_features
     );
-    let lifted = lift(x.clone(), prepared.lift.clone());
-    let out = match spec.precision.qmax() {
+    let lifted = match &prepared.lift {
+        Some(map) => lift(x.clone(), map.clone()),
+        None => x.clone(),
+    };
+    let out = match prepared.precision.qmax() {
         Some(qmax) => {
             let s_x = token_scales(x, qmax);
-            let codes = quantize_codes(lifted / s_x.clone(), spec.precision);
+            let codes = quantize_codes(lifted / s_x.clone(), prepared.precision);
             let acc = codes.matmul(prepared.weight_t.clone());
             acc * s_x * prepared.scale.clone()
         }

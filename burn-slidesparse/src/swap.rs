@@ -19,23 +19,37 @@ use crate::{
     pack::PackOptions,
     pattern::SparsityPattern,
     prune::PruneMethod,
+    quant::Precision,
+    quantized::QuantizedLinear,
 };
 
 /// A linear layer that is dense (`burn::nn::Linear`), dense under a training mask
-/// ([`MaskedLinear`]) or SlideSparse. Exactly one field is set.
+/// ([`MaskedLinear`]), SlideSparse, or the dense quantized baseline ([`QuantizedLinear`]).
+/// Exactly one field is set.
 #[derive(Module, Debug)]
 pub struct MaybeSparseLinear<B: Backend> {
     dense: Option<Linear<B>>,
     sparse: Option<SlideSparseLinear<B>>,
     masked: Option<MaskedLinear<B>>,
+    quantized: Option<QuantizedLinear<B>>,
+}
+
+impl<B: Backend> MaybeSparseLinear<B> {
+    fn empty() -> Self {
+        Self {
+            dense: None,
+            sparse: None,
+            masked: None,
+            quantized: None,
+        }
+    }
 }
 
 impl<B: Backend> From<Linear<B>> for MaybeSparseLinear<B> {
     fn from(linear: Linear<B>) -> Self {
         Self {
             dense: Some(linear),
-            sparse: None,
-            masked: None,
+            ..Self::empty()
         }
     }
 }
@@ -43,9 +57,8 @@ impl<B: Backend> From<Linear<B>> for MaybeSparseLinear<B> {
 impl<B: Backend> From<SlideSparseLinear<B>> for MaybeSparseLinear<B> {
     fn from(layer: SlideSparseLinear<B>) -> Self {
         Self {
-            dense: None,
             sparse: Some(layer),
-            masked: None,
+            ..Self::empty()
         }
     }
 }
@@ -53,9 +66,17 @@ impl<B: Backend> From<SlideSparseLinear<B>> for MaybeSparseLinear<B> {
 impl<B: Backend> From<MaskedLinear<B>> for MaybeSparseLinear<B> {
     fn from(layer: MaskedLinear<B>) -> Self {
         Self {
-            dense: None,
-            sparse: None,
             masked: Some(layer),
+            ..Self::empty()
+        }
+    }
+}
+
+impl<B: Backend> From<QuantizedLinear<B>> for MaybeSparseLinear<B> {
+    fn from(layer: QuantizedLinear<B>) -> Self {
+        Self {
+            quantized: Some(layer),
+            ..Self::empty()
         }
     }
 }
@@ -79,6 +100,20 @@ impl<B: Backend> MaybeSparseLinear<B> {
     /// The masked (trainable sparse) layer, if it is one.
     pub fn masked(&self) -> Option<&MaskedLinear<B>> {
         self.masked.as_ref()
+    }
+
+    /// The dense quantized baseline layer, if it is one.
+    pub fn quantized(&self) -> Option<&QuantizedLinear<B>> {
+        self.quantized.as_ref()
+    }
+
+    /// Quantizes a dense layer in place without pruning (the like-for-like baseline of
+    /// SlideSparse); other kinds are left as they are.
+    pub fn quantize(&mut self, precision: Precision) -> Result<()> {
+        if let Some(dense) = &self.dense {
+            *self = QuantizedLinear::from_linear(dense, precision)?.into();
+        }
+        Ok(())
     }
 
     /// Packs a dense layer (pruning it with `options`) or a masked layer (checking its
@@ -111,11 +146,16 @@ impl<B: Backend> MaybeSparseLinear<B> {
 impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
     /// `[..., in] -> [..., out]` through whichever layer this is.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        match (&self.dense, &self.sparse, &self.masked) {
-            (Some(dense), _, _) => dense.forward(input),
-            (None, Some(sparse), _) => sparse.forward(input),
-            (None, None, Some(masked)) => masked.forward(input),
-            (None, None, None) => unreachable!("MaybeSparseLinear holds one layer"),
+        if let Some(dense) = &self.dense {
+            dense.forward(input)
+        } else if let Some(sparse) = &self.sparse {
+            sparse.forward(input)
+        } else if let Some(masked) = &self.masked {
+            masked.forward(input)
+        } else if let Some(quantized) = &self.quantized {
+            quantized.forward(input)
+        } else {
+            unreachable!("MaybeSparseLinear holds one layer")
         }
     }
 }
@@ -156,6 +196,27 @@ pub fn sparsify_with<B: Backend, M: VisitLinears<B>>(
         Ok(())
     })?;
     Ok(packed)
+}
+
+/// Quantizes every dense linear layer of `model` for which `include(name)` holds, without
+/// pruning ([`QuantizedLinear`], the baseline SlideSparse is measured against); returns the
+/// names quantized.
+pub fn quantize_dense<B: Backend, M: VisitLinears<B>>(
+    model: &mut M,
+    precision: Precision,
+    include: impl Fn(&str) -> bool,
+) -> Result<Vec<String>> {
+    let mut quantized = Vec::new();
+    model.visit_linears(&mut |name, layer| {
+        if include(name) && layer.dense().is_some() {
+            layer
+                .quantize(precision)
+                .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
+            quantized.push(name.to_string());
+        }
+        Ok(())
+    })?;
+    Ok(quantized)
 }
 
 /// Prunes every dense linear layer of `model` for which `method_for(name)` gives a method

@@ -155,8 +155,30 @@ impl<B: SlideSparseBackend> Llama<B> {
         self.forward_observed(tokens, cache, &mut |_, _| {})
     }
 
+    /// Logits `[batch, vocab]` of the last position only: what generation needs, without
+    /// the LM head's cost on every prompt token.
+    pub fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
+        let hidden = self.hidden_states(tokens, cache, &mut |_, _| {});
+        let [batch, t, width] = hidden.dims();
+        let last = hidden.slice([0..batch, t - 1..t, 0..width]);
+        self.lm_head
+            .forward(self.norm.forward(last))
+            .reshape([batch as i32, -1])
+    }
+
     /// [`forward`](Self::forward), showing `observer` the input of every block linear.
     pub fn forward_observed(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+        observer: Observer<'_, B>,
+    ) -> Tensor<B, 3> {
+        let hidden = self.hidden_states(tokens, cache, observer);
+        self.lm_head.forward(self.norm.forward(hidden))
+    }
+
+    /// The last block's output `[batch, t, hidden]` (before the final norm).
+    fn hidden_states(
         &self,
         tokens: Tensor<B, 2, Int>,
         cache: &mut KvCache<B>,
@@ -179,7 +201,7 @@ impl<B: SlideSparseBackend> Llama<B> {
                 &mut seen,
             );
         }
-        self.lm_head.forward(self.norm.forward(x))
+        x
     }
 
     /// Per block linear, the L2 norm of each input channel over the calibration tokens:

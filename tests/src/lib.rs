@@ -1,7 +1,7 @@
 //! Helpers shared by the cross-crate integration tests in `tests/tests/`.
 
 use burn::{module::Module, nn::LinearConfig, tensor::backend::Backend};
-use burn_slidesparse::{MaybeSparseLinear, VisitLinears};
+use burn_slidesparse::{MaybeSparseLinear, Precision, VisitLinears};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 /// A two-layer model that lists its linears by name: `up` (`[d_in -> d_hidden]`) and
@@ -83,4 +83,33 @@ pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
     } else {
         (num / den).sqrt()
     }
+}
+
+/// Host W8A8 of the dense baseline: per-token quantization, exact integer/FP8 products,
+/// dequantization and bias.
+pub fn host_w8a8(
+    x: &[f32],
+    qw: &burn_slidesparse::quant::QuantizedWeight,
+    b: &[f32],
+    (m, k, n): (usize, usize, usize),
+    precision: Precision,
+) -> Vec<f32> {
+    use burn_slidesparse::reference::ACTIVATION_EPS;
+    let wq = qw.codes.to_f32();
+    let qmax = precision.qmax().unwrap();
+    let mut expected = vec![0f32; m * n];
+    for i in 0..m {
+        let row = &x[i * k..(i + 1) * k];
+        let s = row
+            .iter()
+            .fold(0f32, |a, v| a.max(v.abs()))
+            .max(ACTIVATION_EPS)
+            / qmax;
+        let q: Vec<f32> = row.iter().map(|&v| precision.quantize(v, s)).collect();
+        for j in 0..n {
+            let acc: f64 = (0..k).map(|t| q[t] as f64 * wq[j * k + t] as f64).sum();
+            expected[i * n + j] = (acc as f32) * s * qw.scales[j] + b[j];
+        }
+    }
+    expected
 }

@@ -14,7 +14,7 @@ use burn_slidesparse::{
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 use rand::Rng;
-use slidesparse_tests::{random_f32, rng};
+use slidesparse_tests::{host_w8a8, random_f32, rng};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
@@ -277,17 +277,94 @@ fn quant_lift_kernel_is_bit_exact() {
     }
 }
 
-/// Puts the device back into host-sync ordering when dropped, even if a test panics, so
+/// Puts the device back into its default ordering when dropped, even if a test panics, so
 /// that an opt-in flags failure cannot leak into the tests that run after it.
-struct HostOrderingOnDrop;
+struct DefaultOrderingOnDrop;
 
-impl Drop for HostOrderingOnDrop {
+impl Drop for DefaultOrderingOnDrop {
     fn drop(&mut self) {
         use burn_slidesparse::cuda::{ordering::SyncMode, state::device_state};
         if let Ok(state) = device_state(0) {
-            state.lock().unwrap_or_else(|e| e.into_inner()).sync_mode = SyncMode::Host;
+            state.lock().unwrap_or_else(|e| e.into_inner()).sync_mode = SyncMode::from_env();
         }
     }
+}
+
+/// The default no-sync ordering (the GEMM on burn's own stream, found through CUPTI) against
+/// host synchronization, on a chain of SlideSparse and dense layers queued back to back with
+/// no synchronization at all: each forward reads the previous one's output, so a GEMM that
+/// ran before its input was written, or an output reused too early, changes the result.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
+    use burn_slidesparse::{
+        cuda::{dense::DenseLayerGpu, ordering::SyncMode, state::device_state},
+        quant::quantize_weight,
+    };
+    let _restore = DefaultOrderingOnDrop;
+    let device = Default::default();
+    let client = CudaRuntime::client(&device);
+    let mut rng = rng(107);
+    let (m, d, h) = (77, 1024, 2048);
+    let up_w = random_f32(&mut rng, h * d);
+    let down_w = random_f32(&mut rng, d * h);
+    let pack = |w: &[f32], n, k, p| {
+        pack_linear("w", w, n, k, None, &PackOptions::new(p, Precision::Int8))
+            .unwrap()
+            .0
+    };
+    let up =
+        SlideSparseLinear::<Gpu>::from_packed(&pack(&up_w, h, d, SparsityPattern::P6_8), &device);
+    let down =
+        SlideSparseLinear::<Gpu>::from_packed(&pack(&down_w, d, h, SparsityPattern::P2_4), &device);
+    let dense_up = DenseLayerGpu::new(
+        &client,
+        0,
+        &quantize_weight(&up_w, h, d, Precision::Int8),
+        None,
+    )
+    .unwrap();
+    let x0 = random_f32(&mut rng, m * d);
+    let run = |mode| {
+        device_state(0).unwrap().lock().unwrap().sync_mode = mode;
+        let mut x = on_gpu::<Gpu, 2>(x0.clone(), [m, d], DType::F32);
+        let mut outputs = Vec::new();
+        for _ in 0..6 {
+            // Keep values O(1) along the chain: scale by the inverse of the fan-in.
+            let y = up.forward(x.clone()).div_scalar(d as f32);
+            let z =
+                DenseLayerGpu::forward(&dense_up, &x.clone().into_primitive().tensor()).unwrap();
+            let z = Tensor::<Gpu, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(z));
+            x = down
+                .forward(y + z.div_scalar(d as f32))
+                .div_scalar(h as f32);
+            outputs.push(x.clone());
+        }
+        outputs
+            .into_iter()
+            .map(|y| y.into_data().convert::<f32>().into_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let host = run(SyncMode::Host);
+    let stream = run(SyncMode::Stream);
+    let state = device_state(0).unwrap();
+    let (used, why) = state
+        .lock()
+        .unwrap()
+        .lanes
+        .current(&client)
+        .unwrap()
+        .ordering(&client, SyncMode::Stream);
+    assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
+    for (i, (h, s)) in host.iter().zip(&stream).enumerate() {
+        assert!(
+            h.iter().all(|v| v.is_finite()),
+            "step {i}: non-finite values"
+        );
+        assert!(h.iter().any(|v| *v != 0.0), "step {i}: all zero");
+        assert_eq!(h, s, "step {i}: stream ordering differs from host sync");
+    }
+    println!("stream ordering: 6 chained steps (3 GEMMs each) bit-identical to host sync");
 }
 
 /// The opt-in no-sync (flags) ordering against the host-sync ordering over many back-to-back
@@ -298,7 +375,7 @@ impl Drop for HostOrderingOnDrop {
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn flag_ordering_is_exact_or_poisoned_never_silently_wrong() {
     use burn_slidesparse::cuda::{ordering::SyncMode, state::device_state};
-    let _restore = HostOrderingOnDrop;
+    let _restore = DefaultOrderingOnDrop;
     let mut rng = rng(103);
     let (m, k, n) = (333, 2048, 1024);
     let w = random_f32(&mut rng, n * k);
@@ -344,35 +421,6 @@ fn flag_ordering_is_exact_or_poisoned_never_silently_wrong() {
         "flags ordering: {} of 32 forwards exact, {poisoned} poisoned by a timeout",
         32 - poisoned
     );
-}
-
-/// Host W8A8 of the dense baseline: per-token quantization, exact integer/FP8 products,
-/// dequantization and bias.
-fn host_w8a8(
-    x: &[f32],
-    qw: &burn_slidesparse::quant::QuantizedWeight,
-    b: &[f32],
-    (m, k, n): (usize, usize, usize),
-    precision: Precision,
-) -> Vec<f32> {
-    use burn_slidesparse::reference::ACTIVATION_EPS;
-    let wq = qw.codes.to_f32();
-    let qmax = precision.qmax().unwrap();
-    let mut expected = vec![0f32; m * n];
-    for i in 0..m {
-        let row = &x[i * k..(i + 1) * k];
-        let s = row
-            .iter()
-            .fold(0f32, |a, v| a.max(v.abs()))
-            .max(ACTIVATION_EPS)
-            / qmax;
-        let q: Vec<f32> = row.iter().map(|&v| precision.quantize(v, s)).collect();
-        for j in 0..n {
-            let acc: f64 = (0..k).map(|t| q[t] as f64 * wq[j * k + t] as f64).sum();
-            expected[i * n + j] = (acc as f32) * s * qw.scales[j] + b[j];
-        }
-    }
-    expected
 }
 
 /// Reads a GPU tensor primitive back as f32.
@@ -610,6 +658,54 @@ fn epilogue_kernel_matches_host() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// The dense baseline as a module (`QuantizedLinear`, cuBLASLt on the GPU) against the same
+/// module on the CPU reference, fresh random data, f32 and bf16 activations.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn quantized_linear_module_matches_the_reference() {
+    use burn_slidesparse::{QuantizedLinear, quant::quantize_weight};
+    let mut rng = rng(109);
+    for precision in [Precision::Int8, Precision::Fp8, Precision::Bf16] {
+        for (m, k, n) in [(1, 100, 50), (300, 1000, 200)] {
+            let w = random_f32(&mut rng, n * k);
+            let b = random_f32(&mut rng, n);
+            let x = random_f32(&mut rng, m * k);
+            let qw = quantize_weight(&w, n, k, precision);
+            let cpu = QuantizedLinear::<Cpu>::from_quantized(&qw, Some(&b), &Default::default());
+            let expected = cpu
+                .forward(Tensor::<Cpu, 2>::from_data(
+                    TensorData::new(x.clone(), [m, k]),
+                    &Default::default(),
+                ))
+                .into_data()
+                .into_vec::<f32>()
+                .unwrap();
+            let f32_layer =
+                QuantizedLinear::<Gpu>::from_quantized(&qw, Some(&b), &Default::default());
+            let y = f32_layer
+                .forward(on_gpu::<Gpu, 2>(x.clone(), [m, k], DType::F32))
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .unwrap();
+            let err = rel_err(&y, &expected);
+            println!("quantized module {precision} f32 m={m} k={k} n={n}: {err:.2e}");
+            assert!(err <= tolerance(precision), "{precision} f32: {err}");
+            let bf16_layer =
+                QuantizedLinear::<GpuBf16>::from_quantized(&qw, Some(&b), &Default::default());
+            let y = bf16_layer
+                .forward(on_gpu::<GpuBf16, 2>(x.clone(), [m, k], DType::BF16))
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .unwrap();
+            let err = rel_err(&y, &expected);
+            println!("quantized module {precision} bf16 m={m} k={k} n={n}: {err:.2e}");
+            assert!(err <= 2e-2, "{precision} bf16: {err}");
         }
     }
 }

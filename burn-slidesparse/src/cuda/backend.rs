@@ -31,14 +31,16 @@ use super::{
     accumulator::{AccType, Accumulator},
     cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
     cusparselt_sys::Stream,
+    dense::DenseLayerGpu,
     ordering::run_ordered,
     state::{DeviceState, device_state},
 };
 use crate::{
-    backend::{LayerSpec, PackedTensors, SlideSparseBackend},
+    backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend},
     error::{Result, SlideSparseError},
     format::f32_bytes,
-    quant::Precision,
+    module::codes_from_values,
+    quant::{Precision, QuantizedWeight},
 };
 
 pub(crate) type Runtime = cubecl::cuda::CudaRuntime;
@@ -534,6 +536,32 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend
         let x = into_contiguous(x.into_primitive().tensor());
         let y =
             forward_impl(x, prepared).unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
+    type DensePrepared = DenseLayerGpu;
+
+    fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared> {
+        let primitive = weights.weight.clone().into_primitive().tensor();
+        let (client, index) = (primitive.client.clone(), primitive.device.index);
+        let [rows, cols] = weights.weight.dims();
+        let quantized = QuantizedWeight {
+            rows,
+            cols,
+            codes: codes_from_values(host_f32(weights.weight)?, weights.precision),
+            scales: host_f32(weights.scale)?,
+        };
+        let bias = match weights.bias {
+            Some(b) => Some(host_f32(b)?),
+            None => None,
+        };
+        DenseLayerGpu::new(&client, index, &quantized, bias.as_deref())
+    }
+
+    fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared) -> Tensor<Self, 2> {
+        let y = prepared
+            .forward(&x.into_primitive().tensor())
+            .unwrap_or_else(|e| panic!("dense quantized CUDA forward: {e}"));
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
 }

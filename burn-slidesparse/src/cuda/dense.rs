@@ -33,6 +33,16 @@ pub struct DenseLayerGpu {
     state: Arc<Mutex<DeviceState>>,
 }
 
+impl std::fmt::Debug for DenseLayerGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DenseLayerGpu")
+            .field("n", &self.n)
+            .field("k", &self.k)
+            .field("precision", &self.precision)
+            .finish_non_exhaustive()
+    }
+}
+
 impl DenseLayerGpu {
     /// Uploads a quantized `[n, k]` weight (codes + per-row scales).
     pub fn new(

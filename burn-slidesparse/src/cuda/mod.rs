@@ -5,6 +5,7 @@ pub mod accumulator;
 pub mod algo_cache;
 pub mod backend;
 pub mod cublaslt;
+pub mod cupti;
 pub mod cusparselt;
 pub mod cusparselt_sys;
 pub mod dense;

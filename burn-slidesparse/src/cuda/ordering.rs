@@ -1,25 +1,27 @@
-//! Ordering a library GEMM on our CUDA stream with burn's kernels on cubecl's stream.
+//! Ordering a library GEMM (cuSPARSELt, cuBLASLt) with burn's kernels on cubecl's stream.
 //!
-//! cubecl-cuda 0.10 launches on a private per-thread stream. Two designs keep the GEMM
-//! between the quantization kernel and the epilogue (both on that stream):
+//! cubecl-cuda 0.10 launches on a private stream per burn thread, from a device thread that
+//! executes the launches queued by `ComputeClient` in order. Three designs keep the GEMM
+//! between the quantization kernel and the epilogue:
 //!
-//! - [`SyncMode::Flags`] (opt-in, no host synchronization): a CubeCL kernel stores an epoch
-//!   into a flag after the quantization; a spin kernel on our stream waits for it, the GEMM
-//!   runs, and a store kernel writes the epoch into a second flag (both side kernels are
-//!   NVRTC-compiled, `side_kernels.rs`: the driver's `cuStreamWaitValue32` rejects cubecl's
-//!   stream-ordered memory); a CubeCL kernel on burn's stream spins until it sees that
-//!   flag, so the epilogue runs after the GEMM. Buffers freed after the forward
-//!   are reused only by work queued behind that wait kernel, so they outlive the GEMM. A
-//!   wait that exceeds its spin budget records a timeout and turns the output into NaN
-//!   (reported by [`check_timeouts`]) instead of hanging.
-//! - [`SyncMode::Host`] (default): `client.sync()` before the GEMM and
-//!   `cuStreamSynchronize` after.
-//!
-//! Why `Flags` is not the default: a spinning kernel on burn's stream holds an SM slot while
-//! the GEMM runs; GEMM kernels that need all their CTAs resident at once (persistent,
-//! stream-K) then cannot start until the spin gives up. Measured on the H200: stalls of
-//! seconds per hundred forwards on Llama-sized layers. A safe no-sync design needs burn's
-//! stream itself (to record an event on it), which cubecl-cuda 0.10 does not expose.
+//! - [`SyncMode::Stream`] (default, no host synchronization): the GEMM is enqueued on
+//!   **burn's own stream**. The stream handle is found once per burn thread by watching one
+//!   probe launch through CUPTI (`cupti.rs`), and the GEMM call runs inside
+//!   `ComputeClient::exclusive`, i.e. on cubecl's device thread after every launch queued
+//!   before it, so the stream's FIFO order is exactly the program order: quantization, GEMM,
+//!   epilogue. Buffers are freed and reused in the same stream order, so nothing can be
+//!   overwritten while the GEMM reads it. If CUPTI is unavailable the lane falls back to
+//!   `Host` and says why ([`Lane::ordering`]).
+//! - [`SyncMode::Host`]: `client.sync()` before the GEMM on our stream and
+//!   `cuStreamSynchronize` after. Correct anywhere, ~0.1 ms per layer at decode.
+//! - [`SyncMode::Flags`] (opt-in, experimental): a CubeCL kernel stores an epoch into a flag
+//!   after the quantization; an NVRTC spin kernel on our stream waits for it, the GEMM runs,
+//!   a store kernel writes the epoch into a second flag, and a CubeCL kernel on burn's stream
+//!   spins until it sees it. A wait that exceeds its spin budget records a timeout and turns
+//!   the output into NaN (reported by [`Lanes::check_timeouts`]) instead of hanging. Not the
+//!   default: the spinning kernel on burn's stream holds an SM slot while the GEMM runs, and
+//!   GEMM kernels that need all their CTAs resident (persistent, stream-K) then cannot start
+//!   until the spin gives up (multi-second stalls measured on Llama-sized layers).
 //!
 //! Each burn thread gets its own lane (stream, flags, epoch, workspace), because each burn
 //! thread has its own cubecl stream and epochs must increase monotonically per stream.
@@ -41,9 +43,11 @@ use crate::error::{Result, SlideSparseError};
 
 type Client = ComputeClient<Runtime>;
 
-/// How the GEMM stream is ordered with burn's stream.
+/// How the GEMM is ordered with burn's stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SyncMode {
+    /// The GEMM on burn's own stream (found through CUPTI), no synchronization (default).
+    Stream,
     /// Device-side flags, no host synchronization. Experimental: correct (bit-identical to
     /// `Host` in the GPU tests) but the spin kernel on burn's stream can keep a persistent
     /// (all-SMs co-resident) GEMM kernel from being scheduled until the spin times out; the
@@ -55,11 +59,12 @@ pub enum SyncMode {
 }
 
 impl SyncMode {
-    /// From `SLIDESPARSE_SYNC` (`host` or `flags`), default `host`.
+    /// From `SLIDESPARSE_SYNC` (`stream`, `host` or `flags`), default `stream`.
     pub fn from_env() -> Self {
         match std::env::var("SLIDESPARSE_SYNC").as_deref() {
             Ok("flags") => SyncMode::Flags,
-            _ => SyncMode::Host,
+            Ok("host") => SyncMode::Host,
+            _ => SyncMode::Stream,
         }
     }
 }
@@ -78,6 +83,9 @@ pub struct Lane {
     timed_out_ptr: u64,
     epoch: u32,
     workspace: Option<(Handle, u64, usize)>,
+    /// burn's stream on this thread (as an integer), or why it could not be found; probed on
+    /// the first `Stream`-mode GEMM.
+    burn_stream: Option<std::result::Result<usize, String>>,
 }
 
 fn driver(what: &'static str) -> impl Fn(cu::DriverError) -> SlideSparseError {
@@ -108,7 +116,33 @@ impl Lane {
             timed_out_ptr,
             epoch: 0,
             workspace: None,
+            burn_stream: None,
         })
+    }
+
+    /// burn's stream on this thread, probed once.
+    fn burn_stream(&mut self, client: &Client) -> std::result::Result<sys::CUstream, &str> {
+        let found = self.burn_stream.get_or_insert_with(|| {
+            probe_burn_stream(client)
+                .map(|s| s as usize)
+                .map_err(|e| e.to_string())
+        });
+        match found {
+            Ok(stream) => Ok(*stream as sys::CUstream),
+            Err(why) => Err(why),
+        }
+    }
+
+    /// The design this lane's GEMMs use under `mode`: `mode` itself, or `Host` with the
+    /// reason when `Stream` was asked for but burn's stream could not be found.
+    pub fn ordering(&mut self, client: &Client, mode: SyncMode) -> (SyncMode, Option<String>) {
+        if mode != SyncMode::Stream {
+            return (mode, None);
+        }
+        match self.burn_stream(client) {
+            Ok(_) => (mode, None),
+            Err(why) => (SyncMode::Host, Some(why.to_string())),
+        }
     }
 
     /// A workspace of at least `bytes`, kept and reused across calls.
@@ -136,6 +170,7 @@ impl Lane {
             *self = Lane {
                 stream: self.stream,
                 workspace: self.workspace.take(),
+                burn_stream: self.burn_stream.take(),
                 ..Lane::new(client)?
             };
         }
@@ -176,9 +211,45 @@ impl Lanes {
     }
 }
 
-/// Runs `enqueue(stream)` (a library call on our stream) after everything queued on burn's
-/// stream, and makes burn's later work wait for it. `poison` (e.g. the token scales) is
-/// filled with NaN if the completion flag never arrives.
+/// Finds the stream cubecl launches on for this thread: one launch of a tiny kernel with the
+/// probe grid, watched through CUPTI.
+fn probe_burn_stream(client: &Client) -> Result<sys::CUstream> {
+    let scratch = client.create_from_slice(&[0; 4]);
+    super::cupti::stream_of_probe_launch(|| {
+        let [x, y, z] = super::cupti::PROBE_GRID;
+        // SAFETY: every cube stores 0 into element 0 of a 4-byte buffer.
+        unsafe {
+            signal_kernel::launch_unchecked::<Runtime>(
+                client,
+                CubeCount::Static(x, y, z),
+                CubeDim::new_1d(1),
+                ArrayArg::from_raw_parts(scratch.clone(), 1),
+                0,
+            );
+        }
+        // Launches are issued in order by cubecl's device thread: once a task queued after
+        // the probe has run there, the probe's `cuLaunchKernel` has happened.
+        client
+            .exclusive(|| ())
+            .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))
+    })
+}
+
+/// A GEMM enqueue closure sent to cubecl's device thread. It borrows the caller's plan and
+/// pointers; `ComputeClient::exclusive` blocks the caller until it has run, so the borrows
+/// outlive it and nothing else touches them meanwhile.
+struct OnDeviceThread<F>(F);
+// SAFETY: see above: the closure runs while its owner is blocked waiting for it.
+unsafe impl<F> Send for OnDeviceThread<F> {}
+impl<F: FnOnce(sys::CUstream) -> Result<()>> OnDeviceThread<F> {
+    fn run(self, stream: usize) -> Result<()> {
+        (self.0)(stream as sys::CUstream)
+    }
+}
+
+/// Runs `enqueue(stream)` (a library call) after everything queued on burn's stream, and
+/// makes burn's later work wait for it. `poison` (e.g. the token scales) is filled with NaN
+/// if a `Flags`-mode completion flag never arrives.
 pub fn run_ordered(
     client: &Client,
     lane: &mut Lane,
@@ -187,7 +258,15 @@ pub fn run_ordered(
     poison: (&Handle, usize),
     enqueue: impl FnOnce(sys::CUstream) -> Result<()>,
 ) -> Result<()> {
+    let (mode, _fallback_reason) = lane.ordering(client, mode);
     match mode {
+        SyncMode::Stream => {
+            let stream = lane.burn_stream(client).expect("checked by `ordering`") as usize;
+            let job = OnDeviceThread(enqueue);
+            client
+                .exclusive(move || job.run(stream))
+                .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))?
+        }
         SyncMode::Host => {
             sync_burn_stream(client)?;
             enqueue(lane.stream)?;

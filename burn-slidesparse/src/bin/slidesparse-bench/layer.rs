@@ -3,9 +3,9 @@
 //! burn's own bf16 `nn::Linear`; plus the stages alone (quant+lift, plain quant, epilogue)
 //! with their achieved bandwidth against a measured device copy.
 //!
-//! Every forward of the sync design ends in a host synchronization, so a layer is timed as
-//! wall time of `forward + device sync`, median of `--reps`, after warm-up, with inputs
-//! rotated beyond the 60 MB L2.
+//! A layer is timed as wall time of `forward + device sync`, median of `--reps`, after
+//! warm-up, with inputs rotated beyond the 60 MB L2. At decode sizes (M <= 64, INT8) each
+//! ordering design is also timed back to back (many forwards, one sync), as a model runs.
 
 use std::{collections::BTreeMap, time::Instant};
 
@@ -157,9 +157,16 @@ pub fn layer_bench(args: &Args) {
                             ));
                         }
                     }
-                    if args.decode_designs && m <= 64 && *precision == Precision::Int8 {
-                        decode.push(sync_cost(
-                            &device, dense, sparse, &xs, &prims, args.reps, &model, n, k, m,
+                    if m <= 64 && *precision == Precision::Int8 {
+                        decode.extend(ordering_cost(
+                            &device,
+                            dense,
+                            sparse,
+                            &xs,
+                            &prims,
+                            (args.reps, args.decode_designs),
+                            &model,
+                            (n, k, m),
                         ));
                     }
                     eprintln!("[{:>5.0}s] {line}", started.elapsed().as_secs_f64());
@@ -168,27 +175,7 @@ pub fn layer_bench(args: &Args) {
         }
     }
     print_tables(&totals, &patterns, &stages);
-    println!(
-        "\nOrdering designs at decode (INT8, per layer): wall ms per forward (+device sync), and host ms to enqueue one forward"
-    );
-    println!(
-        "| model | shape | M | dense flags | dense host-sync | 6:8 flags | 6:8 host-sync | 6:8 enqueue (host ms) |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    for d in &decode {
-        println!(
-            "| {} | {}x{} | {} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |",
-            d["model"].as_str().unwrap(),
-            d["shape"][0],
-            d["shape"][1],
-            d["m"],
-            d["dense_flags_ms"].as_f64().unwrap(),
-            d["dense_host_ms"].as_f64().unwrap(),
-            d["sparse_flags_ms"].as_f64().unwrap(),
-            d["sparse_host_ms"].as_f64().unwrap(),
-            d["sparse_enqueue_ms"].as_f64().unwrap()
-        );
-    }
+    print_ordering(&decode);
     if let Some(path) = &args.json {
         let json = serde_json::json!({
             "copy_bandwidth_gbs": copy_bw / 1e9,
@@ -200,20 +187,44 @@ pub fn layer_bench(args: &Args) {
     }
 }
 
-/// Decode-time cost of the two ordering designs, and the host time to enqueue a forward.
+/// Median per-forward wall milliseconds of `f` run back to back, `reps` calls per batch with
+/// one device sync per batch (how a model decodes: layer after layer, no sync between them).
+fn back_to_back_ms<B: Backend>(
+    device: &burn::tensor::Device<B>,
+    reps: usize,
+    mut f: impl FnMut(usize),
+) -> f64 {
+    for i in 0..5 {
+        f(i);
+    }
+    B::sync(device).unwrap();
+    let mut t: Vec<f64> = (0..7)
+        .map(|_| {
+            let start = Instant::now();
+            for i in 0..reps {
+                f(i);
+            }
+            B::sync(device).unwrap();
+            start.elapsed().as_secs_f64() * 1e3 / reps as f64
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+/// Decode-time cost of each ordering design (dense and 6:8 layers): per forward with a sync
+/// after each, per forward back to back, and the host time to enqueue one forward.
 #[allow(clippy::too_many_arguments)]
-fn sync_cost(
+fn ordering_cost(
     device: &burn::tensor::Device<Gpu>,
     dense: &DenseLayerGpu,
     sparse: &[(SparsityPattern, SlideSparseLinear<Gpu>)],
     xs: &[Tensor<Gpu, 2>],
     prims: &[burn_cubecl::tensor::CubeTensor<CudaRuntime>],
-    reps: usize,
+    (reps, with_flags): (usize, bool),
     model: &str,
-    n: usize,
-    k: usize,
-    m: usize,
-) -> serde_json::Value {
+    (n, k, m): (usize, usize, usize),
+) -> Vec<serde_json::Value> {
     let rot = xs.len();
     let layer = &sparse
         .iter()
@@ -221,30 +232,40 @@ fn sync_cost(
         .expect("6:8 benchmarked")
         .1;
     let state = device_state(0).unwrap();
-    let run = |mode: SyncMode| {
-        state.lock().unwrap().sync_mode = mode;
-        let d = median_ms::<Gpu>(device, 5, reps, |i| {
-            let _ = dense.forward(&prims[i % rot]).unwrap();
-        });
-        let s = median_ms::<Gpu>(device, 5, reps, |i| {
-            let _ = layer.forward(xs[i % rot].clone());
-        });
-        (d, s)
-    };
-    let (dense_host, sparse_host) = run(SyncMode::Host);
-    let (dense_flags, sparse_flags) = run(SyncMode::Flags);
-    // Host time to enqueue one forward (flags mode): no device work is waited for.
-    let start = Instant::now();
-    for i in 0..reps {
-        let _ = layer.forward(xs[i % rot].clone());
+    let mut modes = vec![SyncMode::Stream, SyncMode::Host];
+    if with_flags {
+        modes.push(SyncMode::Flags);
     }
-    let enqueue = start.elapsed().as_secs_f64() * 1e3 / reps as f64;
-    Gpu::sync(device).unwrap();
-    serde_json::json!({
-        "model": model, "shape": [n, k], "m": m,
-        "dense_flags_ms": dense_flags, "dense_host_ms": dense_host,
-        "sparse_flags_ms": sparse_flags, "sparse_host_ms": sparse_host, "sparse_enqueue_ms": enqueue,
-    })
+    let rows = modes
+        .into_iter()
+        .map(|mode| {
+            state.lock().unwrap().sync_mode = mode;
+            let dense_fwd = |i: usize| {
+                let _ = dense.forward(&prims[i % rot]).unwrap();
+            };
+            let sparse_fwd = |i: usize| {
+                let _ = layer.forward(xs[i % rot].clone());
+            };
+            let dense_synced = median_ms::<Gpu>(device, 5, reps, dense_fwd);
+            let sparse_synced = median_ms::<Gpu>(device, 5, reps, sparse_fwd);
+            let dense_b2b = back_to_back_ms::<Gpu>(device, reps, dense_fwd);
+            let sparse_b2b = back_to_back_ms::<Gpu>(device, reps, sparse_fwd);
+            let start = Instant::now();
+            for i in 0..reps {
+                sparse_fwd(i);
+            }
+            let enqueue = start.elapsed().as_secs_f64() * 1e3 / reps as f64;
+            Gpu::sync(device).unwrap();
+            serde_json::json!({
+                "model": model, "shape": [n, k], "m": m, "mode": format!("{mode:?}"),
+                "dense_synced_ms": dense_synced, "sparse_synced_ms": sparse_synced,
+                "dense_back_to_back_ms": dense_b2b, "sparse_back_to_back_ms": sparse_b2b,
+                "sparse_enqueue_ms": enqueue,
+            })
+        })
+        .collect();
+    state.lock().unwrap().sync_mode = SyncMode::from_env();
+    rows
 }
 
 /// Times the memory-bound stages of one layer alone.
@@ -322,6 +343,47 @@ fn stage_times(
         "epilogue_ms": epi_ms, "epilogue_gbs": epi_bytes / (epi_ms / 1e3) / 1e9,
         "copy_gbs": copy_bw / 1e9,
     })
+}
+
+/// The ordering-design table, summed over each model's layers per (M, mode).
+fn print_ordering(rows: &[serde_json::Value]) {
+    let mut sums: BTreeMap<(String, u64, String), [f64; 5]> = BTreeMap::new();
+    for r in rows {
+        let key = (
+            r["model"].as_str().unwrap().to_string(),
+            r["m"].as_u64().unwrap(),
+            r["mode"].as_str().unwrap().to_string(),
+        );
+        let fields = [
+            "dense_synced_ms",
+            "sparse_synced_ms",
+            "dense_back_to_back_ms",
+            "sparse_back_to_back_ms",
+            "sparse_enqueue_ms",
+        ];
+        let sum = sums.entry(key).or_default();
+        for (acc, f) in sum.iter_mut().zip(fields) {
+            *acc += r[f].as_f64().unwrap();
+        }
+    }
+    println!(
+        "\nOrdering designs at decode (INT8, summed over the block's 4 layers): ms per forward with a device sync after each, back to back (one sync per batch), and host ms to enqueue"
+    );
+    println!(
+        "| model | M | design | dense synced | 6:8 synced | dense back-to-back | 6:8 back-to-back | 6:8 x (back-to-back) | 6:8 enqueue (host) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for ((model, m, mode), v) in &sums {
+        println!(
+            "| {model} | {m} | {mode} | {:.4} | {:.4} | {:.4} | {:.4} | {:.2} | {:.4} |",
+            v[0],
+            v[1],
+            v[2],
+            v[3],
+            v[2] / v[3],
+            v[4]
+        );
+    }
 }
 
 fn print_tables(

@@ -42,7 +42,8 @@ struct Args {
     reps: usize,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
-    /// Layer mode: also time the opt-in device-flag ordering at decode (M <= 64, INT8). Off
+    /// Layer mode: also time the opt-in device-flag ordering at decode (M <= 64, INT8; the
+    /// stream and host designs are always timed there). Off
     /// by default: it stalls for seconds when cuSPARSELt's persistent kernels wait for the
     /// SM its spin kernel holds (see docs/benchmarks.md).
     #[arg(long)]

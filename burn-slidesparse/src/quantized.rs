@@ -1,0 +1,122 @@
+//! `QuantizedLinear`: the dense baseline of SlideSparse as a burn module. The same
+//! per-token activation quantization, per-channel weight scales, accumulator and epilogue as
+//! [`SlideSparseLinear`](crate::SlideSparseLinear), with the dense weight (no pruning, no
+//! slide) and a dense GEMM (cuBLASLt on burn-cuda). Benchmarks compare the two like with like.
+
+use burn::{
+    module::{Module, Param},
+    nn::Linear,
+    tensor::{Tensor, backend::Backend},
+};
+
+use crate::{
+    backend::{DenseTensors, PreparedSlot, SlideSparseBackend},
+    error::{Result, SlideSparseError},
+    module::{f32_param, float_param, to_vec_f32},
+    quant::{Precision, QuantizedWeight, quantize_weight},
+};
+
+/// Sizes and precision of a [`QuantizedLinear`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct DenseSpec {
+    pub precision: Precision,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+/// A dense linear layer `[..., in] -> [..., out]` with a quantized weight (INT8 or FP8
+/// codes with per-channel scales; BF16/F16 rounded values) and, for 8-bit precisions,
+/// per-token quantized activations.
+#[derive(Module, Debug)]
+pub struct QuantizedLinear<B: Backend> {
+    /// `W [out, in]` code values.
+    pub weight: Param<Tensor<B, 2>>,
+    /// Per-output-channel scales `[out]`, in f32 on every backend.
+    pub weight_scale: Param<Tensor<B, 1>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    pub spec: DenseSpec,
+    prepared: PreparedSlot,
+}
+
+impl<B: Backend> QuantizedLinear<B> {
+    /// Uploads a quantized `[out, in]` weight.
+    pub fn from_quantized(
+        weight: &QuantizedWeight,
+        bias: Option<&[f32]>,
+        device: &B::Device,
+    ) -> Self {
+        let shape = [weight.rows, weight.cols];
+        Self {
+            weight: float_param(weight.codes.to_f32(), &shape, device),
+            weight_scale: f32_param(weight.scales.clone(), &[shape[0]], device),
+            bias: bias.map(|b| float_param(b.to_vec(), &[shape[0]], device)),
+            spec: DenseSpec {
+                precision: weight.codes.precision(),
+                in_features: weight.cols,
+                out_features: weight.rows,
+            },
+            prepared: PreparedSlot::default(),
+        }
+    }
+
+    /// Quantizes a `burn::nn::Linear` (weight layout `[in, out]`) without pruning.
+    pub fn from_linear(linear: &Linear<B>, precision: Precision) -> Result<Self> {
+        let weight = linear.weight.val();
+        let device = weight.device();
+        let [d_in, d_out] = weight.dims();
+        let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
+        let bias = match &linear.bias {
+            Some(b) => Some(to_vec_f32(b.val().into_data(), "linear bias")?),
+            None => None,
+        };
+        let quantized = quantize_weight(&w, d_out, d_in, precision);
+        Ok(Self::from_quantized(&quantized, bias.as_deref(), &device))
+    }
+
+    fn dense_tensors(&self) -> DenseTensors<B> {
+        DenseTensors {
+            precision: self.spec.precision,
+            weight: self.weight.val(),
+            scale: self.weight_scale.val(),
+            bias: self.bias.as_ref().map(|b| b.val()),
+        }
+    }
+}
+
+impl<B: SlideSparseBackend> QuantizedLinear<B> {
+    /// The backend's prepared weights, built once per device and parameter set.
+    pub fn prepared(&self) -> Result<B::DensePrepared> {
+        let key = (
+            self.weight.id.val(),
+            self.weight_scale.id.val(),
+            burn::tensor::backend::DeviceOps::id(&self.weight.device()),
+        );
+        self.prepared
+            .get_or_try_init(key, || B::dense_prepare(self.dense_tensors()))
+    }
+
+    /// Applies the layer to `[..., in]`, or an error (wrong input width, preparation failure).
+    pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<Tensor<B, D>> {
+        let dims = input.dims();
+        let k = dims[D - 1];
+        if k != self.spec.in_features {
+            return Err(SlideSparseError::shape(
+                "QuantizedLinear input (last dimension)",
+                self.spec.in_features,
+                k,
+            ));
+        }
+        let prepared = self.prepared()?;
+        let m: usize = dims[..D - 1].iter().product();
+        let y = B::dense_forward(input.reshape([m, k]), &prepared);
+        let mut out_dims = dims;
+        out_dims[D - 1] = self.spec.out_features;
+        Ok(y.reshape(out_dims))
+    }
+
+    /// [`try_forward`](Self::try_forward), panicking on its error like `nn::Linear` does.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.try_forward(input)
+            .unwrap_or_else(|e| panic!("QuantizedLinear::forward: {e}"))
+    }
+}
