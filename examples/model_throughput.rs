@@ -5,7 +5,7 @@
 //! embeddings stay bf16 in every variant; activations are bf16.
 //!
 //! Prefill: one sequence of T tokens, median of `--reps` forwards (fresh KV cache each).
-//! Decode: batch B after a 128-token context, `--steps` single-token steps back to back with
+//! Decode: batch B after a context of max(1024 / B, 64) tokens, `--steps` single-token steps back to back with
 //! one device sync, median of `--reps`. A model with zero blocks (embedding + head only) is
 //! timed too, so the per-block cost and a projection to the full depth can be read off.
 //!
@@ -127,10 +127,11 @@ fn prefill_ms(model: &Llama<Gpu>, t: usize, vocab: usize, reps: usize) -> f64 {
     )
 }
 
-/// Median ms per decode step at batch `b`.
+/// Median ms per decode step at batch `b`, after a context of `max(1024 / b, 64)` tokens
+/// (so the context prefill reuses the GEMM shapes of the prefill runs).
 fn decode_ms(model: &Llama<Gpu>, b: usize, steps: usize, vocab: usize, reps: usize) -> f64 {
     let device = Default::default();
-    let context = random_tokens(b, 128, vocab, &device);
+    let context = random_tokens(b, (1024 / b).max(64), vocab, &device);
     let step_tokens: Vec<_> = (0..steps)
         .map(|_| random_tokens(b, 1, vocab, &device))
         .collect();

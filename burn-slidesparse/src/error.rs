@@ -118,6 +118,11 @@ pub enum SlideSparseError {
 
     #[error("{0}")]
     Backend(String),
+
+    #[error(
+        "no usable NVIDIA GPU: {0}; run on a reference backend (e.g. NdArray) or check the driver"
+    )]
+    NoGpu(String),
 }
 
 impl SlideSparseError {

@@ -471,15 +471,19 @@ pub fn run_sparse_gemm(
     };
     let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
     state.make_current()?;
-    let p = GemmPointers {
-        weight: ptr(client, &prepared.compressed)?,
-        act: ptr(client, codes)?,
-        out: ptr(client, acc)?,
-        alpha: ptr(client, &prepared.alpha)?,
+    // Device pointers are resolved where the GEMM is enqueued: on cubecl's device thread in
+    // `Stream` mode, where `get_resource` is a direct call instead of a round trip to it.
+    let pointers = |client: &Client| -> Result<GemmPointers> {
+        Ok(GemmPointers {
+            weight: ptr(client, &prepared.compressed)?,
+            act: ptr(client, codes)?,
+            out: ptr(client, acc)?,
+            alpha: ptr(client, &prepared.alpha)?,
+        })
     };
     state.plan(shape)?;
     if state.needs_search(&shape) {
-        search_once(client, &mut state, shape, p)?;
+        search_once(client, &mut state, shape, pointers(client)?)?;
     }
     let DeviceState {
         lt,
@@ -493,6 +497,7 @@ pub fn run_sparse_gemm(
     let lane = lanes.current(client)?;
     let p_ws = lane.workspace(client, plan.workspace)?;
     run_ordered(client, lane, side, *sync_mode, poison, |stream| {
+        let p = pointers(client)?;
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's
         // stream (which owns their reuse) behind the GEMM.
         unsafe { plan.run(lt, p, p_ws, stream as Stream) }

@@ -23,6 +23,9 @@ use crate::{
 #[derive(Clone)]
 pub struct DenseLayerGpu {
     pub n: usize,
+    /// `n` rounded up to 16: cuBLASLt's 8-bit kernels need 16-element leading dimensions
+    /// (the extra weight rows are zero; the epilogue reads the `n` real columns).
+    pub n_pad: usize,
     pub k: usize,
     /// `K` rounded up to 16 (cuBLASLt's 8-bit alignment); the quant kernel zero-pads.
     pub k_pad: usize,
@@ -58,10 +61,10 @@ impl DenseLayerGpu {
             ));
         }
         let (n, k) = (weight.rows, weight.cols);
-        let k_pad = k.next_multiple_of(16);
+        let (n_pad, k_pad) = (n.next_multiple_of(16), k.next_multiple_of(16));
         let elem = precision.element_bytes();
         let src = weight.codes.to_le_bytes();
-        let mut bytes = vec![0u8; n * k_pad * elem];
+        let mut bytes = vec![0u8; n_pad * k_pad * elem];
         for r in 0..n {
             bytes[r * k_pad * elem..(r * k_pad + k) * elem]
                 .copy_from_slice(&src[r * k * elem..(r + 1) * k * elem]);
@@ -69,6 +72,7 @@ impl DenseLayerGpu {
         debug_assert!(!matches!(weight.codes, WeightCodes::F32(_)));
         Ok(Self {
             n,
+            n_pad,
             k,
             k_pad,
             precision,
@@ -93,7 +97,7 @@ impl DenseLayerGpu {
         let token_scales = client.empty(m_pad * 4);
         let dtype = x.dtype;
         let accumulator = Accumulator::dense(self.precision, dtype);
-        let acc = client.empty(m_pad * self.n * accumulator.bytes());
+        let acc = client.empty(m_pad * self.n_pad * accumulator.bytes());
         let out = client.empty(m * self.n * dtype.size());
         launch_quant_lift(
             &client,
@@ -108,16 +112,11 @@ impl DenseLayerGpu {
         {
             let shape = DenseShape {
                 m_pad,
-                n: self.n,
+                n: self.n_pad,
                 k: self.k_pad,
                 precision: self.precision,
                 accumulator,
             };
-            let (p_w, p_x, p_acc) = (
-                ptr(&client, &self.weight)?,
-                ptr(&client, &codes)?,
-                ptr(&client, &acc)?,
-            );
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
             state.dense_gemm()?;
@@ -141,6 +140,12 @@ impl DenseLayerGpu {
                 mode,
                 (&token_scales, m_pad),
                 |stream| {
+                    // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
+                    let (p_w, p_x, p_acc) = (
+                        ptr(&client, &self.weight)?,
+                        ptr(&client, &codes)?,
+                        ptr(&client, &acc)?,
+                    );
                     // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
                     unsafe {
                         gemm.run(
@@ -162,7 +167,7 @@ impl DenseLayerGpu {
             &self.scale,
             self.bias.as_ref(),
             &out,
-            (m, m_pad, self.n, self.n),
+            (m, m_pad, self.n, self.n_pad),
             accumulator,
             dtype,
         )?;

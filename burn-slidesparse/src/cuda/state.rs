@@ -47,8 +47,7 @@ fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> SlideSparseError + '_ {
 
 impl DeviceState {
     fn new(index: usize) -> Result<Self> {
-        cu::init().map_err(driver_err("cuInit"))?;
-        let device = cu::device::get(index as i32).map_err(driver_err("cuDeviceGet"))?;
+        let device = cuda_device(index)?;
         // SAFETY: `device` is valid; the primary context is the one cubecl-cuda uses.
         let context = unsafe { cu::primary_ctx::retain(device) }
             .map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
@@ -122,6 +121,31 @@ impl DeviceState {
         let key = AlgoCache::key(&self.gpu_name, self.lt.version, shape);
         self.algos.insert(key, config_id);
     }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn cuda_driver_present() -> bool {
+    // SAFETY: only probes whether the driver library can be loaded.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Device `index`, or [`SlideSparseError::NoGpu`] saying why there is none: no driver library
+/// (cudarc would panic on the first driver call), no device, or an index past the last one.
+fn cuda_device(index: usize) -> Result<sys::CUdevice> {
+    if !cuda_driver_present() {
+        return Err(SlideSparseError::NoGpu(
+            "the CUDA driver library (libcuda.so) is not installed".into(),
+        ));
+    }
+    cu::init().map_err(|e| SlideSparseError::NoGpu(format!("cuInit failed: {e:?}")))?;
+    let count = cu::device::get_count()
+        .map_err(|e| SlideSparseError::NoGpu(format!("cuDeviceGetCount failed: {e:?}")))?;
+    if index >= count.max(0) as usize {
+        return Err(SlideSparseError::NoGpu(format!(
+            "device {index} requested, {count} present"
+        )));
+    }
+    cu::device::get(index as i32).map_err(driver_err("cuDeviceGet"))
 }
 
 type States = Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>;
