@@ -6,7 +6,7 @@
 //! `~/.cache/burn-slidesparse/smollm2` (override with `--gguf FILE`, or load a Hugging Face
 //! Llama / Qwen2 folder with `--hf DIR`). `--temperature T --top-p P` samples instead of greedy
 //! decoding; `--chat` wraps the prompt in the ChatML template. Runs on the CPU reference
-//! backend (NdArray).
+//! backend (NdArray) by default, on burn-cuda with `--features cuda --device cuda`.
 
 use std::{io::Write, path::PathBuf, time::Instant};
 
@@ -15,12 +15,14 @@ use burn::{
     tensor::{Int, Tensor, TensorData},
 };
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SparsityPattern, gguf::GgufFile, sparsify,
+    PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern, gguf::GgufFile,
+    prepare_all, sparsify_with,
 };
 use clap::Parser;
 use indicatif::ProgressBar;
 use rand::{SeedableRng, rngs::StdRng};
 use slidesparse_examples::{
+    eval::calibration_norms,
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
     hf_llama::load_hf_llama,
@@ -28,8 +30,6 @@ use slidesparse_examples::{
     sampling::Sampling,
     tokenizer::Tokenizer,
 };
-
-type B = NdArray;
 
 #[derive(Parser)]
 struct Args {
@@ -66,10 +66,24 @@ struct Args {
     /// Skip the dense run.
     #[arg(long)]
     sparse_only: bool,
+    /// `wanda` (activation-aware: |W| times the input channel's norm over a calibration
+    /// text) or `magnitude`.
+    #[arg(long, default_value = "wanda")]
+    prune: String,
+    /// Calibration text for `wanda` (default: /usr/share/common-licenses/Apache-2.0 where it
+    /// exists, else a short built-in text).
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// `cpu` (the reference backend) or, with `--features cuda`, `cuda` (burn-cuda, f32
+    /// activations; the SlideSparse layers run quant+lift, cuSPARSELt and the epilogue).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
+type Error = Box<dyn std::error::Error>;
+
 /// Generation, streaming tokens; returns (prefill tok/s, decode tok/s).
-fn generate(
+fn generate<B: SlideSparseBackend>(
     model: &Llama<B>,
     tok: &Tokenizer,
     prompt: &[u32],
@@ -78,7 +92,7 @@ fn generate(
     seed: u64,
 ) -> (f64, f64) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let device = Default::default();
+    let device = model.embed.weight.device();
     let mut cache = KvCache::default();
     let input = |ids: &[u32]| {
         Tensor::<B, 2, Int>::from_data(
@@ -90,7 +104,11 @@ fn generate(
         )
     };
     let mut pick_last = |logits: Tensor<B, 2>| -> u32 {
-        let last: Vec<f32> = logits.into_data().into_vec().expect("f32 logits");
+        let last: Vec<f32> = logits
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("float logits");
         sampling.pick(&last, &mut rng)
     };
     let start = Instant::now();
@@ -129,16 +147,55 @@ fn chat_prompt(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, String> {
     Ok(ids)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let device = Default::default();
+    match args.device.as_str() {
+        "cpu" => run::<NdArray>(&args, &Default::default()),
+        #[cfg(feature = "cuda")]
+        "cuda" => run::<burn_slidesparse::cuda::CudaBackend>(&args, &Default::default()),
+        other => Err(format!(
+            "unknown --device {other}: cpu{}",
+            if cfg!(feature = "cuda") {
+                " or cuda"
+            } else {
+                " (build with --features cuda for cuda)"
+            }
+        )
+        .into()),
+    }
+}
+
+/// Text for Wanda's activation statistics: `path`, else the Apache-2.0 license text most Linux
+/// systems ship, else a short built-in passage (any ordinary English works; it must not be
+/// the text being evaluated).
+fn calibration_text(path: Option<&std::path::Path>) -> Result<String, Error> {
+    const SYSTEM_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
+    match path {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()).into()),
+        None => {
+            Ok(std::fs::read_to_string(SYSTEM_TEXT)
+                .unwrap_or_else(|_| BUILT_IN_CALIBRATION.repeat(4)))
+        }
+    }
+}
+
+/// Fallback calibration text (written for this project).
+const BUILT_IN_CALIBRATION: &str = "The harbour town woke slowly. Fishing boats came back \
+before dawn, their crews sorting the catch while gulls argued over the scraps. In the market \
+square the baker opened his shutters, and the smell of bread drifted down to the quay. \
+Children ran to school along the sea wall, counting the ships at anchor and guessing where \
+each had sailed from. An old teacher explained to them that every ship keeps a log: the \
+weather, the course, the cargo, and the names of the people on board. Writing things down, \
+she said, is how sailors remember what the sea would rather they forgot. ";
+
+fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Error> {
     let (mut model, tok) = match &args.hf {
         Some(dir) => {
             let json = std::fs::read_to_string(dir.join("tokenizer.json"))
                 .map_err(|e| format!("{}: {e}", dir.join("tokenizer.json").display()))?;
             let tok =
                 Tokenizer::from_tokenizer_json(&json, Some("<|im_start|>"), Some("<|im_end|>"))?;
-            (load_hf_llama::<B>(dir, 2048, &device)?, tok)
+            (load_hf_llama::<B>(dir, 2048, device)?, tok)
         }
         None => {
             let path = smollm2_gguf(args.gguf.as_deref())?;
@@ -146,7 +203,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
             let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
             (
-                load_llama::<B>(&file, 2048, &device)?,
+                load_llama::<B>(&file, 2048, device)?,
                 Tokenizer::from_gguf(&file)?,
             )
         }
@@ -163,33 +220,52 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut results = Vec::new();
     if !args.sparse_only {
-        println!("--- dense (f32) ---\n{}", args.prompt);
+        println!("--- dense (f32, {}) ---\n{}", args.device, args.prompt);
         results.push((
             "dense f32".to_string(),
             generate(&model, &tok, &prompt, args.tokens, sampling, args.seed),
         ));
     }
-    let options = PackOptions {
-        pattern: args.pattern,
-        precision: args.precision,
-        prune: PruneMethod::Magnitude,
-        alignment: 64,
+    let norms = match args.prune.as_str() {
+        "wanda" => Some(calibration_norms(
+            &model,
+            &tok.encode(&calibration_text(args.calibration.as_deref())?),
+            256,
+        )),
+        "magnitude" => None,
+        other => return Err(format!("unknown --prune {other}: wanda or magnitude").into()),
     };
-    let bar = ProgressBar::new(7 * model.blocks.len() as u64)
-        .with_message(format!("packing {} {}", args.pattern, args.precision));
-    let packed = sparsify(&mut model, &options, |name| {
-        let keep = name != "lm_head";
-        if keep {
-            bar.inc(1);
+    let bar = ProgressBar::new(7 * model.blocks.len() as u64).with_message(format!(
+        "pruning ({}) and packing {} {}",
+        args.prune, args.pattern, args.precision
+    ));
+    let packed = sparsify_with(&mut model, |name| {
+        if name == "lm_head" {
+            return None;
         }
-        keep
+        bar.inc(1);
+        let prune = match &norms {
+            Some(norms) => PruneMethod::ActivationAware {
+                input_norms: norms.get(name)?.clone(),
+            },
+            None => PruneMethod::Magnitude,
+        };
+        Some(PackOptions {
+            pattern: args.pattern,
+            precision: args.precision,
+            prune,
+            alignment: 64,
+        })
     })?;
     bar.finish_and_clear();
+    // Compress and upload every layer now, not inside the first token's timing.
+    prepare_all(&mut model)?;
     println!(
-        "--- SlideSparse {} {} ({} layers packed, LM head dense) ---\n{}",
+        "--- SlideSparse {} {} ({} layers packed, {} pruning, LM head dense) ---\n{}",
         args.pattern,
         args.precision,
         packed.len(),
+        args.prune,
         args.prompt
     );
     results.push((

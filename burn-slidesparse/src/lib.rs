@@ -29,7 +29,8 @@ pub mod swap;
 pub use masked::MaskedLinear;
 pub use quantized::QuantizedLinear;
 pub use swap::{
-    MaybeSparseLinear, VisitLinears, mask_with, quantize_dense, sparsify, sparsify_with,
+    MaybeSparseLinear, VisitLinears, mask_with, prepare_all, quantize_dense, sparsify,
+    sparsify_with,
 };
 #[cfg(feature = "cuda")]
 pub mod cuda;

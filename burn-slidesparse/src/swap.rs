@@ -198,6 +198,25 @@ pub fn sparsify_with<B: Backend, M: VisitLinears<B>>(
     Ok(packed)
 }
 
+/// Builds every SlideSparse and dense-quantized layer's prepared weights now (on the CUDA
+/// backend: compression and upload), so the first forward does not pay for it; returns how
+/// many layers were prepared.
+pub fn prepare_all<B: SlideSparseBackend, M: VisitLinears<B>>(model: &mut M) -> Result<usize> {
+    let mut prepared = 0;
+    model.visit_linears(&mut |name, layer| {
+        let context = |e: SlideSparseError| SlideSparseError::Backend(format!("{name}: {e}"));
+        if let Some(sparse) = layer.sparse() {
+            sparse.prepared().map_err(context)?;
+            prepared += 1;
+        } else if let Some(quantized) = layer.quantized() {
+            quantized.prepared().map_err(context)?;
+            prepared += 1;
+        }
+        Ok(())
+    })?;
+    Ok(prepared)
+}
+
 /// Quantizes every dense linear layer of `model` for which `include(name)` holds, without
 /// pruning ([`QuantizedLinear`], the baseline SlideSparse is measured against); returns the
 /// names quantized.

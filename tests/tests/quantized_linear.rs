@@ -83,3 +83,21 @@ fn quantized_linear_rejects_a_wrong_input_width() {
         "{err}"
     );
 }
+
+#[test]
+fn prepare_all_prepares_sparse_and_quantized_layers_and_nothing_else() {
+    use burn_slidesparse::{PackOptions, SparsityPattern, prepare_all, sparsify};
+    let device = Default::default();
+    let mut model = TwoLayers::<B>::new(64, 96, 32, &device);
+    assert_eq!(prepare_all(&mut model).unwrap(), 0, "dense layers have nothing to prepare");
+    sparsify(
+        &mut model,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+        |name| name == "up",
+    )
+    .unwrap();
+    quantize_dense(&mut model, Precision::Fp8, |name| name == "head").unwrap();
+    assert_eq!(prepare_all(&mut model).unwrap(), 2);
+    // Prepared once: preparing again reuses the cached weights and still succeeds.
+    assert_eq!(prepare_all(&mut model).unwrap(), 2);
+}
