@@ -152,8 +152,9 @@ impl Lane {
             _ => {
                 let handle = client.empty(bytes.max(256));
                 let p = ptr(client, &handle)?;
-                // The old buffer may still be in use by a queued GEMM: only burn's stream
-                // (ordered behind the wait kernels) can reuse it after this handle drops.
+                // The old buffer may still be in use by a queued GEMM: only burn's stream can
+                // reuse it after this handle drops, and every design keeps burn's stream
+                // behind the GEMM (same stream, wait kernel, or host sync).
                 self.workspace = Some((handle, p, bytes.max(256)));
                 Ok(p)
             }
