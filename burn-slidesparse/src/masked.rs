@@ -20,7 +20,7 @@ use burn::{
 
 use crate::{
     error::{Result, SlideSparseError},
-    module::SlideSparseLinear,
+    module::{SlideSparseLinear, to_vec_f32},
     pack::PackOptions,
     pattern::SparsityPattern,
     prune::{PruneMethod, check_pattern, prune},
@@ -46,7 +46,7 @@ impl<B: Backend> MaskedLinear<B> {
         let device = weight.device();
         let [d_in, d_out] = weight.dims();
         // The pruner works on the PyTorch layout `[out, in]`, blocks along `in`.
-        let w = read_f32(weight.transpose().into_data(), "linear weight")?;
+        let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
         let pruned = prune("linear.weight", &w, d_out, d_in, pattern, method)?;
         let mask: Vec<f32> = pruned
             .iter()
@@ -97,9 +97,9 @@ impl<B: Backend> MaskedLinear<B> {
     pub fn check(&self, pattern: SparsityPattern) -> Result<()> {
         let weight = self.linear.weight.val();
         let [d_in, d_out] = weight.dims();
-        let w = read_f32(weight.clone().transpose().into_data(), "weight")?;
+        let w = to_vec_f32(weight.clone().transpose().into_data(), "weight")?;
         check_pattern("masked weight", &w, d_out, d_in, pattern)?;
-        let outside = read_f32(
+        let outside = to_vec_f32(
             (weight * (self.mask.val().neg() + 1.0))
                 .abs()
                 .sum()
@@ -135,10 +135,4 @@ impl<B: Backend> MaskedLinear<B> {
 /// does not, and `Param::map` keeps that: the optimizer would then never update it).
 fn trainable<B: Backend>(id: ParamId, value: Tensor<B, 2>) -> Param<Tensor<B, 2>> {
     Param::initialized(id, value.require_grad())
-}
-
-fn read_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
-    data.convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| SlideSparseError::Backend(format!("reading {what}: {e:?}")))
 }

@@ -144,18 +144,16 @@ impl<B: Backend> SlideSparseLinear<B> {
 
     /// Prunes, quantizes and packs a `burn::nn::Linear` (weight layout `[in, out]`).
     pub fn from_linear(linear: &Linear<B>, options: &PackOptions) -> Result<Self> {
-        let weight = linear.weight.val();
-        let device = weight.device();
-        let [d_in, d_out] = weight.dims();
-        // burn stores [in, out]; the packer works on the PyTorch layout [out, in].
-        let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
-        let bias = match &linear.bias {
-            Some(b) => Some(to_vec_f32(b.val().into_data(), "linear bias")?),
-            None => None,
-        };
-        let (packed, _, _) =
-            pack_linear("linear.weight", &w, d_out, d_in, bias.as_deref(), options)?;
-        Ok(Self::from_packed(&packed, &device))
+        let host = LinearOnHost::read(linear)?;
+        let (packed, _, _) = pack_linear(
+            "linear.weight",
+            &host.weight,
+            host.out_features,
+            host.in_features,
+            host.bias.as_deref(),
+            options,
+        )?;
+        Ok(Self::from_packed(&packed, &host.device))
     }
 
     /// Shorthand for [`from_linear`](Self::from_linear) with magnitude pruning.
@@ -215,34 +213,21 @@ impl<B: Backend> SlideSparseLinear<B> {
 impl<B: SlideSparseBackend> SlideSparseLinear<B> {
     /// The backend's prepared weights, built once per device and parameter set.
     pub fn prepared(&self) -> Result<B::Prepared> {
-        let device = self.weight.device();
-        let key = (
-            self.weight.id.val(),
-            self.weight_scale.id.val(),
-            burn::tensor::backend::DeviceOps::id(&device),
-        );
         self.prepared
-            .get_or_try_init(key, || B::slidesparse_prepare(self.packed_tensors()))
+            .get_or_try_init(prepared_key(&self.weight, &self.weight_scale), || {
+                B::slidesparse_prepare(self.packed_tensors())
+            })
     }
 
     /// Applies the layer to `[..., K]`, returning `[..., out]`, or an error (wrong input
     /// width, preparation failure on the backend).
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<Tensor<B, D>> {
-        let dims = input.dims();
-        let k = dims[D - 1];
-        if k != self.spec.in_features {
-            return Err(SlideSparseError::shape(
-                "SlideSparseLinear input (last dimension)",
-                self.spec.in_features,
-                k,
-            ));
-        }
-        let prepared = self.prepared()?;
-        let m: usize = dims[..D - 1].iter().product();
-        let y = B::slidesparse_forward(input.reshape([m, k]), &prepared);
-        let mut out_dims = dims;
-        out_dims[D - 1] = self.spec.out_features;
-        Ok(y.reshape(out_dims))
+        on_rows(
+            input,
+            (self.spec.in_features, self.spec.out_features),
+            "SlideSparseLinear input (last dimension)",
+            |x| Ok(B::slidesparse_forward(x, &self.prepared()?)),
+        )
     }
 
     /// Applies the layer to `[..., K]`, returning `[..., out]`. Panics with the error of
@@ -311,6 +296,65 @@ fn param_of<B: Backend, const D: usize>(
         TensorData::new(values, shape.to_vec()),
         options,
     ))
+}
+
+/// What a layer's prepared weights depend on: its weight and scale parameters and device.
+pub(crate) fn prepared_key<B: Backend>(
+    weight: &Param<Tensor<B, 2>>,
+    scale: &Param<Tensor<B, 1>>,
+) -> crate::backend::PreparedKey {
+    (
+        weight.id.val(),
+        scale.id.val(),
+        burn::tensor::backend::DeviceOps::id(&weight.device()),
+    )
+}
+
+/// Applies a `[M, in] -> [M, out]` op to `[..., in]`, returning `[..., out]`; a wrong last
+/// dimension is a shape error named `what`.
+pub(crate) fn on_rows<B: Backend, const D: usize>(
+    input: Tensor<B, D>,
+    (in_features, out_features): (usize, usize),
+    what: &'static str,
+    op: impl FnOnce(Tensor<B, 2>) -> Result<Tensor<B, 2>>,
+) -> Result<Tensor<B, D>> {
+    let mut dims = input.dims();
+    let k = dims[D - 1];
+    if k != in_features {
+        return Err(SlideSparseError::shape(what, in_features, k));
+    }
+    let m: usize = dims[..D - 1].iter().product();
+    let y = op(input.reshape([m, k]))?;
+    dims[D - 1] = out_features;
+    Ok(y.reshape(dims))
+}
+
+/// A `burn::nn::Linear` read to the host, its weight in the packer's `[out, in]` layout
+/// (burn stores `[in, out]`).
+pub(crate) struct LinearOnHost<B: Backend> {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    pub out_features: usize,
+    pub in_features: usize,
+    pub device: B::Device,
+}
+
+impl<B: Backend> LinearOnHost<B> {
+    pub fn read(linear: &Linear<B>) -> Result<Self> {
+        let weight = linear.weight.val();
+        let device = weight.device();
+        let [in_features, out_features] = weight.dims();
+        Ok(Self {
+            weight: to_vec_f32(weight.transpose().into_data(), "linear weight")?,
+            bias: match &linear.bias {
+                Some(b) => Some(to_vec_f32(b.val().into_data(), "linear bias")?),
+                None => None,
+            },
+            out_features,
+            in_features,
+            device,
+        })
+    }
 }
 
 pub(crate) fn to_vec_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {

@@ -11,8 +11,8 @@ use burn::{
 
 use crate::{
     backend::{DenseTensors, PreparedSlot, SlideSparseBackend},
-    error::{Result, SlideSparseError},
-    module::{f32_param, float_param, to_vec_f32},
+    error::Result,
+    module::{LinearOnHost, f32_param, float_param, on_rows, prepared_key},
     quant::{Precision, QuantizedWeight, quantize_weight},
 };
 
@@ -61,16 +61,14 @@ impl<B: Backend> QuantizedLinear<B> {
 
     /// Quantizes a `burn::nn::Linear` (weight layout `[in, out]`) without pruning.
     pub fn from_linear(linear: &Linear<B>, precision: Precision) -> Result<Self> {
-        let weight = linear.weight.val();
-        let device = weight.device();
-        let [d_in, d_out] = weight.dims();
-        let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
-        let bias = match &linear.bias {
-            Some(b) => Some(to_vec_f32(b.val().into_data(), "linear bias")?),
-            None => None,
-        };
-        let quantized = quantize_weight(&w, d_out, d_in, precision);
-        Ok(Self::from_quantized(&quantized, bias.as_deref(), &device))
+        let host = LinearOnHost::read(linear)?;
+        let quantized =
+            quantize_weight(&host.weight, host.out_features, host.in_features, precision);
+        Ok(Self::from_quantized(
+            &quantized,
+            host.bias.as_deref(),
+            &host.device,
+        ))
     }
 
     fn dense_tensors(&self) -> DenseTensors<B> {
@@ -86,32 +84,20 @@ impl<B: Backend> QuantizedLinear<B> {
 impl<B: SlideSparseBackend> QuantizedLinear<B> {
     /// The backend's prepared weights, built once per device and parameter set.
     pub fn prepared(&self) -> Result<B::DensePrepared> {
-        let key = (
-            self.weight.id.val(),
-            self.weight_scale.id.val(),
-            burn::tensor::backend::DeviceOps::id(&self.weight.device()),
-        );
         self.prepared
-            .get_or_try_init(key, || B::dense_prepare(self.dense_tensors()))
+            .get_or_try_init(prepared_key(&self.weight, &self.weight_scale), || {
+                B::dense_prepare(self.dense_tensors())
+            })
     }
 
     /// Applies the layer to `[..., in]`, or an error (wrong input width, preparation failure).
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<Tensor<B, D>> {
-        let dims = input.dims();
-        let k = dims[D - 1];
-        if k != self.spec.in_features {
-            return Err(SlideSparseError::shape(
-                "QuantizedLinear input (last dimension)",
-                self.spec.in_features,
-                k,
-            ));
-        }
-        let prepared = self.prepared()?;
-        let m: usize = dims[..D - 1].iter().product();
-        let y = B::dense_forward(input.reshape([m, k]), &prepared);
-        let mut out_dims = dims;
-        out_dims[D - 1] = self.spec.out_features;
-        Ok(y.reshape(out_dims))
+        on_rows(
+            input,
+            (self.spec.in_features, self.spec.out_features),
+            "QuantizedLinear input (last dimension)",
+            |x| Ok(B::dense_forward(x, &self.prepared()?)),
+        )
     }
 
     /// [`try_forward`](Self::try_forward), panicking on its error like `nn::Linear` does.

@@ -89,7 +89,11 @@ fn prepare_all_prepares_sparse_and_quantized_layers_and_nothing_else() {
     use burn_slidesparse::{PackOptions, SparsityPattern, prepare_all, sparsify};
     let device = Default::default();
     let mut model = TwoLayers::<B>::new(64, 96, 32, &device);
-    assert_eq!(prepare_all(&mut model).unwrap(), 0, "dense layers have nothing to prepare");
+    assert_eq!(
+        prepare_all(&mut model).unwrap(),
+        0,
+        "dense layers have nothing to prepare"
+    );
     sparsify(
         &mut model,
         &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
