@@ -101,15 +101,7 @@ fn main() -> Result<(), Error> {
         "cpu" => run::<Autodiff<NdArray>>(&args, &Default::default()),
         #[cfg(feature = "cuda")]
         "cuda" => run::<Autodiff<burn_slidesparse::cuda::CudaBackend>>(&args, &Default::default()),
-        other => Err(format!(
-            "unknown --device {other}: cpu{}",
-            if cfg!(feature = "cuda") {
-                " or cuda"
-            } else {
-                " (build with --features cuda for cuda)"
-            }
-        )
-        .into()),
+        other => Err(slidesparse_examples::unknown_device(other).into()),
     }
 }
 

@@ -153,15 +153,7 @@ fn main() -> Result<(), Error> {
         "cpu" => run::<NdArray>(&args, &Default::default()),
         #[cfg(feature = "cuda")]
         "cuda" => run::<burn_slidesparse::cuda::CudaBackend>(&args, &Default::default()),
-        other => Err(format!(
-            "unknown --device {other}: cpu{}",
-            if cfg!(feature = "cuda") {
-                " or cuda"
-            } else {
-                " (build with --features cuda for cuda)"
-            }
-        )
-        .into()),
+        other => Err(slidesparse_examples::unknown_device(other).into()),
     }
 }
 

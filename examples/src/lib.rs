@@ -8,3 +8,16 @@ pub mod hf_llama;
 pub mod llama;
 pub mod sampling;
 pub mod tokenizer;
+
+/// The error for a `--device` value the examples do not know (which ones exist depends on
+/// the `cuda` feature).
+pub fn unknown_device(name: &str) -> String {
+    format!(
+        "unknown --device {name}: cpu{}",
+        if cfg!(feature = "cuda") {
+            " or cuda"
+        } else {
+            " (build with --features cuda for cuda)"
+        }
+    )
+}
