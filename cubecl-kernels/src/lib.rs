@@ -2,6 +2,7 @@
 //! share with the CPU packer and reference path.
 //!
 //! - [`geometry`]: pattern geometry (`K_pad`, `K_slide`, `K'`) and the lift index map `src(o)`.
+//! - [`rounding`]: INT8 rounding by a multiplication, bit-identical to the spec's division.
 //! - `quant_lift` (feature `cubecl`): fused per-token quantization + lift, and the plain
 //!   per-token quantization of the dense baseline (the same kernel without the lift).
 //! - `epilogue` (feature `cubecl`): dequantization + bias.
@@ -15,6 +16,7 @@ pub mod epilogue;
 pub mod geometry;
 #[cfg(feature = "cubecl")]
 pub mod quant_lift;
+pub mod rounding;
 #[cfg(feature = "cubecl")]
 pub mod stream_sync;
 

@@ -12,27 +12,75 @@
 
 use cubecl::prelude::*;
 
+use crate::{geometry::lift_source_unbounded, rounding::HALF_INTEGER_GUARD};
+
 /// Units per cube (8 warps): one row of up to a few thousand windows per cube.
 pub const QUANT_CUBE_DIM: u32 = 256;
 /// Floor of the per-token absmax, as in the reference path.
 pub const ACTIVATION_EPS: f32 = 1e-12;
 
-/// Block-wide max of one f32 per unit, through plane reductions and shared memory.
+/// Block-wide maxima of two f32 per unit (absmax and the non-finite flag), through plane
+/// reductions and one shared-memory exchange. Also a barrier: shared memory written before it
+/// is visible to every unit after it.
 #[cube]
-fn cube_max(value: f32) -> f32 {
-    let mut shared = SharedMemory::<f32>::new(32usize);
-    let plane_value = plane_max(value);
+fn cube_max_pair(a: f32, b: f32) -> Vector<f32, Const<2>> {
+    let mut shared = SharedMemory::<f32>::new(64usize);
+    let plane_a = plane_max(a);
+    let plane_b = plane_max(b);
     let planes = CUBE_DIM / PLANE_DIM;
     if UNIT_POS_PLANE == 0 {
-        shared[(UNIT_POS / PLANE_DIM) as usize] = plane_value;
+        let plane = (UNIT_POS / PLANE_DIM) as usize;
+        shared[plane] = plane_a;
+        shared[32 + plane] = plane_b;
     }
     sync_cube();
-    let mut result = 0.0f32;
+    let mut result = Vector::<f32, Const<2>>::empty();
+    result[0] = 0.0f32;
+    result[1] = 0.0f32;
     for i in 0..planes {
-        result = f32::max(result, shared[i as usize]);
+        result[0] = f32::max(result[0], shared[i as usize]);
+        result[1] = f32::max(result[1], shared[32 + i as usize]);
     }
-    sync_cube();
     result
+}
+
+/// Absmax of the finite lanes of `v`, and 1 if any lane is NaN or ±Inf (else 0).
+#[cube]
+fn vector_absmax_and_flag<F: Float, V: Size>(v: Vector<F, V>) -> Vector<f32, Const<2>> {
+    let mut result = Vector::<f32, Const<2>>::empty();
+    result[0] = 0.0f32;
+    result[1] = 0.0f32;
+    #[unroll]
+    for l in 0..v.size() {
+        let f = f32::cast_from(v[l]);
+        if f.is_nan() || f.is_inf() {
+            result[1] = 1.0;
+        } else {
+            result[0] = f32::max(result[0], f32::abs(f));
+        }
+    }
+    result
+}
+
+/// The row's scale from its reduced absmax and non-finite flag: `max(amax, eps) / qmax` for a
+/// finite real row, NaN for a real 8-bit row holding NaN/Inf (`nan` comes from the host:
+/// CubeCL 0.10 prints an `f32::NAN` literal as `NaN`, which NVRTC rejects), and 1 for padding
+/// rows and float modes.
+#[cube]
+fn row_scale(amax: f32, bad: f32, real_row: bool, nan: f32, #[comptime] mode: LiftMode) -> f32 {
+    let mut scale = 1.0f32;
+    if comptime!(mode != LiftMode::Float) && real_row {
+        let qmax = comptime!(match mode {
+            LiftMode::Fp8 => 448.0f32,
+            _ => 127.0f32,
+        });
+        if bad > 0.0 {
+            scale = nan;
+        } else {
+            scale = f32::max(amax, ACTIVATION_EPS) / qmax;
+        }
+    }
+    scale
 }
 
 /// What the kernel writes.
@@ -46,17 +94,28 @@ pub enum LiftMode {
     Float,
 }
 
-/// Quantizes `x / scale` to the output type: INT8 (`rint`, clamp) or FP8 (clamped to ±448
-/// first, which equals saturation), or a plain cast for float modes. A true division, not
-/// a multiplication by the reciprocal, so that the codes match the reference path.
+/// INT8 code (as an f32) of `x / scale`, bit-identical to `clamp(rint(x / scale), ±127)` (the
+/// spec and the reference path) but with a multiplication by `inv_scale = fl(1 / scale)` in
+/// place of the per-element division, which is only taken near a rounding boundary. Same
+/// operations as the host mirror [`crate::rounding::int8_code`], where the argument and the
+/// tests are.
 #[cube]
-fn quantize<Q: Scalar>(x: f32, scale: f32, #[comptime] mode: LiftMode) -> Q {
+fn int8_code(x: f32, scale: f32, inv_scale: f32) -> f32 {
+    let mut y = x * inv_scale;
+    let a = f32::abs(y);
+    if f32::abs(a - f32::floor(a) - 0.5) < HALF_INTEGER_GUARD {
+        y = x / scale;
+    }
+    f32::clamp(f32::round(y), -127.0, 127.0)
+}
+
+/// Quantizes `x / scale` to the output type: INT8 through [`int8_code`], FP8 (clamped to ±448
+/// first, which equals saturation) by a true division so that the codes match the reference
+/// path, or a plain cast for float modes.
+#[cube]
+fn quantize<Q: Scalar>(x: f32, scale: f32, inv_scale: f32, #[comptime] mode: LiftMode) -> Q {
     match comptime!(mode) {
-        LiftMode::Int8 => Q::cast_from(i32::cast_from(f32::clamp(
-            f32::round(x / scale),
-            -127.0,
-            127.0,
-        ))),
+        LiftMode::Int8 => Q::cast_from(i32::cast_from(int8_code(x, scale, inv_scale))),
         LiftMode::Fp8 => Q::cast_from(f32::clamp(x / scale, -448.0, 448.0)),
         LiftMode::Float => Q::cast_from(x),
     }
@@ -101,10 +160,6 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     let vi = x.vector_size().comptime();
     let vo = out.vector_size().comptime();
     let row = CUBE_POS;
-    let qmax = comptime!(match mode {
-        LiftMode::Fp8 => 448.0f32,
-        _ => 127.0f32,
-    });
     let quantized = comptime!(mode != LiftMode::Float);
     let real_row = row < m as usize;
     let k_vectors = (k as usize) / vi;
@@ -118,15 +173,12 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
         let mut i = UNIT_POS as usize;
         while i < k_vectors {
             let v = x[in_base + i];
-            #[unroll]
-            for l in 0..vi {
-                let f = f32::cast_from(v[l]);
-                if f.is_nan() || f.is_inf() {
-                    bad = 1.0;
-                } else {
-                    amax = f32::max(amax, f32::abs(f));
-                }
-                if comptime!(staged > 0) {
+            let found = vector_absmax_and_flag(v);
+            amax = f32::max(amax, found[0]);
+            bad = f32::max(bad, found[1]);
+            if comptime!(staged > 0) {
+                #[unroll]
+                for l in 0..vi {
                     stage[i * vi + l] = v[l];
                 }
             }
@@ -134,23 +186,16 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
         }
     }
     // Also the barrier that makes the staged row visible to every unit.
-    let amax = cube_max(amax);
-    let bad = cube_max(bad);
+    let reduced = cube_max_pair(amax, bad);
     // Rows that write real values: padding rows and (8-bit modes) rows holding NaN/Inf
     // write zeros. Float modes pass non-finite values through (IEEE semantics).
-    let row_ok = real_row && (bad == 0.0 || !quantized);
-    let mut scale = 1.0f32;
-    if row_ok && quantized {
-        scale = f32::max(amax, ACTIVATION_EPS) / qmax;
-    }
-    if real_row && bad > 0.0 && quantized {
-        // From the host: CubeCL 0.10 prints an `f32::NAN` literal as `NaN`, which NVRTC rejects.
-        scale = nan;
-    }
+    let row_ok = real_row && (reduced[1] == 0.0 || !quantized);
+    let scale = row_scale(reduced[0], reduced[1], real_row, nan, mode);
     let mut divisor = 1.0f32;
     if row_ok {
         divisor = scale;
     }
+    let inv_divisor = 1.0f32 / divisor;
     if UNIT_POS == 0 {
         scales[row] = scale;
     }
@@ -184,9 +229,141 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
                     value = f32::cast_from(x[in_row + src][0]);
                 }
             }
-            codes[l] = quantize::<Q>(value, divisor, mode);
+            codes[l] = quantize::<Q>(value, divisor, inv_divisor, mode);
         }
         out[out_base + j] = codes;
+        j += CUBE_DIM as usize;
+    }
+}
+
+/// Input elements of one group of [`quant_lift_grouped_kernel`]: four pattern blocks
+/// (`8n`), or 16 for the dense baseline (`n == 0`).
+pub fn group_input_len(n: u32) -> usize {
+    if n == 0 { 16 } else { 8 * n as usize }
+}
+
+/// Output codes of one group: four blocks' `4(n-1)` windows each, or 16 for `n == 0`.
+/// Always a multiple of 16, so groups start on 16-code output vectors.
+pub fn group_output_len(n: u32) -> usize {
+    if n == 0 { 16 } else { 16 * (n as usize - 1) }
+}
+
+/// Column of the group's input that the group's output column `o` copies: the lift map
+/// restricted to one group (groups start on block boundaries), the identity for `n == 0`.
+pub fn group_source(o: usize, n: u32) -> usize {
+    if n == 0 {
+        o
+    } else {
+        lift_source_unbounded(o, n as usize)
+    }
+}
+
+/// `X [M, K]` -> `X' [M_pad, K']` codes + `s_x [M_pad]`, the fast path for rows of whole
+/// 16-byte input vectors (`K % VI == 0`, `VI` = 16 bytes): same contract and same codes as
+/// [`quant_lift_kernel`], other layout of the work.
+///
+/// The row is cut into groups of four pattern blocks ([`group_input_len`] inputs ->
+/// [`group_output_len`] outputs, both whole vectors). Each unit of the row's cube owns
+/// `groups_per_unit` groups and keeps their input in registers:
+/// 1. load the groups' input vectors (16-byte loads; vectors past `K` are zeros) and reduce
+///    the absmax;
+/// 2. quantize each input element once (not once per lifted copy), then assemble the output
+///    vectors by a lift map that is a compile-time constant within a group: no index
+///    arithmetic, no shared memory, 16-byte stores.
+///
+/// Output vectors past the last group's (the `K'` alignment tail) are written as zeros. The
+/// host guarantees `K % VI == 0`, `K' % VO == 0` and `groups_per_unit * CUBE_DIM` groups
+/// cover the row.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
+    x: &Array<Vector<F, VI>>,
+    out: &mut Array<Vector<Q, VO>>,
+    scales: &mut Array<f32>,
+    m: u32,
+    k: u32,
+    k_prime: u32,
+    nan: f32,
+    #[comptime] n: u32,
+    #[comptime] mode: LiftMode,
+    #[comptime] groups_per_unit: usize,
+    #[define(F)] _input_type: StorageType,
+) {
+    let vi = x.vector_size().comptime();
+    let vo = out.vector_size().comptime();
+    let in_len = comptime!(group_input_len(n));
+    let in_vectors = comptime!(group_input_len(n) / vi);
+    let out_vectors = comptime!(group_output_len(n) / vo);
+    let quantized = comptime!(mode != LiftMode::Float);
+    let row = CUBE_POS;
+    let real_row = row < m as usize;
+    let row_in_vectors = (k as usize) / vi;
+    let row_out_vectors = (k_prime as usize) / vo;
+    let groups = (k as usize).div_ceil(in_len);
+    let mut held = Array::<Vector<F, VI>>::new(comptime!(groups_per_unit * in_vectors));
+
+    // Pass 1: the unit's groups into registers; absmax and non-finite flag.
+    let mut amax = 0.0f32;
+    let mut bad = 0.0f32;
+    #[unroll]
+    for g in 0..groups_per_unit {
+        let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+        #[unroll]
+        for v in 0..in_vectors {
+            let index = group * in_vectors + v;
+            let mut value = Vector::<F, VI>::new(F::new(0.0));
+            if real_row && index < row_in_vectors {
+                value = x[row * row_in_vectors + index];
+            }
+            let found = vector_absmax_and_flag(value);
+            amax = f32::max(amax, found[0]);
+            bad = f32::max(bad, found[1]);
+            held[g * in_vectors + v] = value;
+        }
+    }
+    let reduced = cube_max_pair(amax, bad);
+    let row_ok = real_row && (reduced[1] == 0.0 || !quantized);
+    let scale = row_scale(reduced[0], reduced[1], real_row, nan, mode);
+    let mut divisor = 1.0f32;
+    if row_ok {
+        divisor = scale;
+    }
+    let inv_divisor = 1.0f32 / divisor;
+    if UNIT_POS == 0 {
+        scales[row] = scale;
+    }
+
+    // Pass 2: each input quantized once, outputs gathered by a compile-time map.
+    #[unroll]
+    for g in 0..groups_per_unit {
+        let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+        if group < groups {
+            let mut codes = Array::<Q>::new(in_len);
+            #[unroll]
+            for e in 0..in_len {
+                let mut value = 0.0f32;
+                if row_ok {
+                    value = f32::cast_from(held[g * in_vectors + e / vi][e % vi]);
+                }
+                codes[e] = quantize::<Q>(value, divisor, inv_divisor, mode);
+            }
+            #[unroll]
+            for ov in 0..out_vectors {
+                let j = group * out_vectors + ov;
+                if j < row_out_vectors {
+                    let mut lifted = Vector::<Q, VO>::empty();
+                    #[unroll]
+                    for l in 0..vo {
+                        lifted[l] = codes[comptime!(group_source(ov * vo + l, n))];
+                    }
+                    out[row * row_out_vectors + j] = lifted;
+                }
+            }
+        }
+    }
+    // The `K'` alignment tail past the last group's outputs.
+    let mut j = groups * out_vectors + UNIT_POS as usize;
+    while j < row_out_vectors {
+        out[row * row_out_vectors + j] = Vector::<Q, VO>::new(Q::cast_from(0.0f32));
         j += CUBE_DIM as usize;
     }
 }

@@ -18,8 +18,9 @@ use burn_slidesparse::{
     PackOptions, Precision, SlideSparseLinear, SparsityPattern,
     cuda::{
         accumulator::Accumulator,
-        backend::{launch_epilogue, launch_quant_lift, m_pad},
+        backend::m_pad,
         dense::DenseLayerGpu,
+        launch::{QuantKernel, launch_epilogue, launch_quant_lift_with},
         ordering::SyncMode,
         state::device_state,
     },
@@ -288,32 +289,28 @@ fn stage_times(
     let rot = xs.len();
     let codes = client.empty(mp * g.k_prime());
     let scales = client.empty(mp * 4);
-    let lift_ms = median_ms::<Gpu>(device, 3, reps, |i| {
-        launch_quant_lift(
-            client,
-            &xs[i % rot].handle,
-            &codes,
-            &scales,
-            (m, mp, k, g.k_slide(), g.k_prime()),
-            g.n,
-            precision,
-            DType::BF16,
-        )
-        .unwrap();
-    });
-    let plain_ms = median_ms::<Gpu>(device, 3, reps, |i| {
-        launch_quant_lift(
-            client,
-            &xs[i % rot].handle,
-            &codes,
-            &scales,
-            (m, mp, k, k, k.next_multiple_of(16)),
-            0,
-            precision,
-            DType::BF16,
-        )
-        .unwrap();
-    });
+    let quant_ms = |kernel, n_lift, (k_slide, k_out): (usize, usize)| {
+        median_ms::<Gpu>(device, 3, reps, |i| {
+            launch_quant_lift_with(
+                kernel,
+                client,
+                &xs[i % rot].handle,
+                &codes,
+                &scales,
+                (m, mp, k, k_slide, k_out),
+                n_lift,
+                precision,
+                DType::BF16,
+            )
+            .unwrap();
+        })
+    };
+    let lifted = (g.k_slide(), g.k_prime());
+    let plain = (k, k.next_multiple_of(16));
+    let lift_ms = quant_ms(QuantKernel::Auto, g.n, lifted);
+    let lift_row_staged_ms = quant_ms(QuantKernel::RowStaged, g.n, lifted);
+    let plain_ms = quant_ms(QuantKernel::Auto, 0, plain);
+    let plain_row_staged_ms = quant_ms(QuantKernel::RowStaged, 0, plain);
     let n_pad = n.next_multiple_of(32);
     let accumulator = Accumulator::sparse(precision, DType::BF16);
     let acc = client.empty(mp * n_pad * accumulator.bytes());
@@ -339,7 +336,10 @@ fn stage_times(
     serde_json::json!({
         "model": model, "shape": [n, k], "m": m, "precision": precision.to_string(), "pattern": pattern.to_string(),
         "quant_lift_ms": lift_ms, "quant_lift_gbs": lift_bytes / (lift_ms / 1e3) / 1e9,
+        "quant_lift_row_staged_ms": lift_row_staged_ms,
+        "quant_lift_row_staged_gbs": lift_bytes / (lift_row_staged_ms / 1e3) / 1e9,
         "plain_quant_ms": plain_ms, "plain_quant_gbs": plain_bytes / (plain_ms / 1e3) / 1e9,
+        "plain_quant_row_staged_ms": plain_row_staged_ms,
         "epilogue_ms": epi_ms, "epilogue_gbs": epi_bytes / (epi_ms / 1e3) / 1e9,
         "copy_gbs": copy_bw / 1e9,
     })
@@ -423,14 +423,16 @@ fn print_tables(
             x.join(" | ")
         );
     }
-    println!("\nStages alone (6:8): ms and achieved GB/s (bytes read + written)");
     println!(
-        "| model | shape | precision | M | quant+lift ms | GB/s | plain quant ms | GB/s | epilogue ms | GB/s |"
+        "\nStages alone (6:8): ms and achieved GB/s (bytes read + written); quant kernels: the forward's (grouped) and the row-staged one"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| model | shape | precision | M | quant+lift ms | GB/s | row-staged ms | GB/s | plain quant ms | GB/s | row-staged ms | epilogue ms | GB/s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for s in stages {
         println!(
-            "| {} | {}x{} | {} | {} | {:.4} | {:.0} | {:.4} | {:.0} | {:.4} | {:.0} |",
+            "| {} | {}x{} | {} | {} | {:.4} | {:.0} | {:.4} | {:.0} | {:.4} | {:.0} | {:.4} | {:.4} | {:.0} |",
             s["model"].as_str().unwrap(),
             s["shape"][0],
             s["shape"][1],
@@ -438,8 +440,11 @@ fn print_tables(
             s["m"],
             s["quant_lift_ms"].as_f64().unwrap(),
             s["quant_lift_gbs"].as_f64().unwrap(),
+            s["quant_lift_row_staged_ms"].as_f64().unwrap(),
+            s["quant_lift_row_staged_gbs"].as_f64().unwrap(),
             s["plain_quant_ms"].as_f64().unwrap(),
             s["plain_quant_gbs"].as_f64().unwrap(),
+            s["plain_quant_row_staged_ms"].as_f64().unwrap(),
             s["epilogue_ms"].as_f64().unwrap(),
             s["epilogue_gbs"].as_f64().unwrap()
         );

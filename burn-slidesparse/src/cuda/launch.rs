@@ -1,0 +1,291 @@
+//! Launchers of the CubeCL kernels (`cubecl-kernels`) on burn's stream: the choice of kernel
+//! variant, vector widths, cube layout and addressing for a given shape.
+
+use burn::tensor::DType;
+use cubecl::{
+    CubeCount, CubeDim, calculate_cube_count_elemwise, e4m3, ir::AddressType, prelude::*,
+    server::Handle,
+};
+use cubecl_kernels::{
+    epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
+    quant_lift::{
+        LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, group_input_len, quant_lift_grouped_kernel,
+        quant_lift_kernel,
+    },
+};
+use half::{bf16, f16};
+
+use super::{
+    accumulator::{AccType, Accumulator},
+    backend::Runtime,
+};
+use crate::{error::Result, quant::Precision};
+
+type Client = ComputeClient<Runtime>;
+
+fn lift_mode(precision: Precision) -> LiftMode {
+    match precision {
+        Precision::Int8 => LiftMode::Int8,
+        Precision::Fp8 => LiftMode::Fp8,
+        _ => LiftMode::Float,
+    }
+}
+
+fn address_type(bytes: usize) -> AddressType {
+    if bytes > (i32::MAX as usize) {
+        AddressType::U64
+    } else {
+        AddressType::U32
+    }
+}
+
+/// Input vector width (elements) of the quant kernel for elements of `elem_bytes`: 16 bytes
+/// where `K` allows.
+fn input_vector(k: usize, elem_bytes: usize) -> usize {
+    let full = 16 / elem_bytes;
+    [full, 4, 2, 1]
+        .into_iter()
+        .find(|v| k.is_multiple_of(*v))
+        .unwrap_or(1)
+}
+
+/// Input vectors a unit of the grouped kernel may hold in registers (16 bytes each).
+const MAX_HELD_VECTORS: usize = 16;
+
+/// Cube size and groups per unit of [`quant_lift_grouped_kernel`] for rows of `k` elements of
+/// `elem_bytes`, or `None` where the row is not whole 16-byte vectors or would need more
+/// registers than [`MAX_HELD_VECTORS`] in a cube of 1024 units.
+///
+/// Cubes are as small as the row allows (one group per unit up to 256 units), so that short
+/// rows still fill the GPU with many small cubes; longer rows give each unit several groups.
+fn grouped_layout(k: usize, n: u32, elem_bytes: usize) -> Option<(u32, usize)> {
+    let vector = 16 / elem_bytes;
+    let in_len = group_input_len(n);
+    if !k.is_multiple_of(vector) || !in_len.is_multiple_of(vector) {
+        return None;
+    }
+    let in_vectors = in_len / vector;
+    let groups = k.div_ceil(in_len);
+    let mut units = groups.next_power_of_two().clamp(32, 256);
+    if groups.div_ceil(units) * in_vectors > MAX_HELD_VECTORS {
+        units = (groups * in_vectors)
+            .div_ceil(MAX_HELD_VECTORS)
+            .next_power_of_two()
+            .min(1024);
+    }
+    let per_unit = groups.div_ceil(units);
+    (per_unit * in_vectors <= MAX_HELD_VECTORS).then_some((units as u32, per_unit))
+}
+
+/// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
+/// `n == 0` is the dense baseline (no lift, `k_slide == k`). `k_out` must be a multiple of 4.
+///
+/// Rows of whole 16-byte vectors (every LLM shape) take [`quant_lift_grouped_kernel`]; other
+/// rows take [`quant_lift_kernel`], which stages the row in shared memory when it fits in
+/// [`STAGE_BYTES`] and reads it twice otherwise. Both write the same codes.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_quant_lift(
+    client: &Client,
+    x: &Handle,
+    codes: &Handle,
+    scales: &Handle,
+    dims: (usize, usize, usize, usize, usize),
+    n: u32,
+    precision: Precision,
+    input: DType,
+) -> Result<()> {
+    launch_quant_lift_with(
+        QuantKernel::Auto,
+        client,
+        x,
+        codes,
+        scales,
+        dims,
+        n,
+        precision,
+        input,
+    )
+}
+
+/// Which quant+lift kernel [`launch_quant_lift_with`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantKernel {
+    /// The grouped kernel where the shape allows, else the row-staged one (the forward's choice).
+    Auto,
+    /// Always the row-staged kernel: for tests and benchmarks that compare the two.
+    RowStaged,
+}
+
+/// [`launch_quant_lift`] with the kernel choice made explicit.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_quant_lift_with(
+    kernel: QuantKernel,
+    client: &Client,
+    x: &Handle,
+    codes: &Handle,
+    scales: &Handle,
+    (m, m_pad, k, k_slide, k_out): (usize, usize, usize, usize, usize),
+    n: u32,
+    precision: Precision,
+    input: DType,
+) -> Result<()> {
+    let input_bytes = input.size();
+    let mode = lift_mode(precision);
+    let elem = precision.element_bytes();
+    let addr = address_type((m_pad * k_out * elem.max(4)).max(m * k * input_bytes));
+    let count = CubeCount::Static(m_pad as u32, 1, 1);
+    debug_assert!(k_out.is_multiple_of(4), "k_out = {k_out}");
+    // 16-byte stores where the row allows, else one 2:4 window per store.
+    let vo = if k_out.is_multiple_of(16 / elem) {
+        16 / elem
+    } else {
+        4
+    };
+    let grouped = grouped_layout(k, n, input_bytes)
+        .filter(|_| vo == 16 / elem && kernel == QuantKernel::Auto);
+    let (vi, dim, staged) = match grouped {
+        Some((units, _)) => (16 / input_bytes, CubeDim::new_1d(units), 0),
+        None => {
+            // Round the staged length so that layers of similar width share one kernel.
+            let staged_len = k.next_multiple_of(1024);
+            let staged = if staged_len * input_bytes <= STAGE_BYTES {
+                staged_len
+            } else {
+                0
+            };
+            let vi = if staged > 0 {
+                input_vector(k, input_bytes)
+            } else {
+                1
+            };
+            (vi, CubeDim::new_1d(QUANT_CUBE_DIM), staged)
+        }
+    };
+    let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
+    // SAFETY: buffer sizes match the lengths given; the kernels bound every access by them.
+    unsafe {
+        let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k / vi);
+        let out = ArrayArg::from_raw_parts(codes.clone(), m_pad * k_out / vo);
+        let s = ArrayArg::from_raw_parts(scales.clone(), m_pad);
+        macro_rules! go {
+            ($q:ty) => {
+                match grouped {
+                    Some((_, per_unit)) => {
+                        quant_lift_grouped_kernel::launch_unchecked::<$q, Runtime>(
+                            client,
+                            count,
+                            dim,
+                            addr,
+                            vi,
+                            vo,
+                            x_arg,
+                            out,
+                            s,
+                            scalars.0,
+                            scalars.1,
+                            scalars.3,
+                            f32::NAN,
+                            n,
+                            mode,
+                            per_unit,
+                            input.into(),
+                        )
+                    }
+                    None => quant_lift_kernel::launch_unchecked::<$q, Runtime>(
+                        client,
+                        count,
+                        dim,
+                        addr,
+                        vi,
+                        vo,
+                        x_arg,
+                        out,
+                        s,
+                        scalars.0,
+                        scalars.1,
+                        scalars.2,
+                        scalars.3,
+                        f32::NAN,
+                        n,
+                        mode,
+                        staged,
+                        input.into(),
+                    ),
+                }
+            };
+        }
+        match precision {
+            Precision::Int8 => go!(i8),
+            Precision::Fp8 => go!(e4m3),
+            Precision::Bf16 => go!(bf16),
+            Precision::F16 => go!(f16),
+            Precision::F32 => go!(f32),
+        }
+    }
+    Ok(())
+}
+
+/// Launches the epilogue: `acc [m_pad, n_pad]` -> `Y [m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_epilogue(
+    client: &Client,
+    acc: &Handle,
+    token_scales: &Handle,
+    channel_scales: &Handle,
+    bias: Option<&Handle>,
+    out: &Handle,
+    (m, m_pad, n, n_pad): (usize, usize, usize, usize),
+    accumulator: Accumulator,
+    output: DType,
+) -> Result<()> {
+    // The widest vector of at most 16 bytes (the widest CUDA load/store; wider vectors
+    // compute wrong results in cubecl 0.10) that divides both row lengths, so that no
+    // vector straddles two rows.
+    let widest = accumulator.bytes().max(output.size());
+    let v = [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|v| v * widest <= 16 && n.is_multiple_of(*v) && n_pad.is_multiple_of(*v))
+        .unwrap_or(1);
+    let dim = CubeDim::new_1d(EPILOGUE_CUBE_DIM);
+    let count = calculate_cube_count_elemwise(client, m * n / v, dim);
+    let addr = address_type(m_pad * n_pad * 4);
+    let channel_scaled = accumulator.channel_scaled;
+    // SAFETY: sizes as allocated by the caller; the kernel reads only rows < m, cols < n.
+    unsafe {
+        let acc_arg = ArrayArg::from_raw_parts(acc.clone(), m_pad * n_pad / v);
+        let sx = ArrayArg::from_raw_parts(token_scales.clone(), m_pad);
+        let sw = ArrayArg::from_raw_parts(channel_scales.clone(), n / v);
+        let b = ArrayArg::from_raw_parts(bias.unwrap_or(channel_scales).clone(), n / v);
+        let y = ArrayArg::from_raw_parts(out.clone(), m * n / v);
+        let dims = (m as u32, n as u32, n_pad as u32);
+        macro_rules! go {
+            ($a:ty) => {
+                dequant_bias_kernel::launch_unchecked::<$a, Runtime>(
+                    client,
+                    count,
+                    dim,
+                    addr,
+                    v,
+                    acc_arg,
+                    sx,
+                    sw,
+                    b,
+                    y,
+                    dims.0,
+                    dims.1,
+                    dims.2,
+                    bias.is_some(),
+                    channel_scaled,
+                    output.into(),
+                )
+            };
+        }
+        match accumulator.ty {
+            AccType::I32 => go!(i32),
+            AccType::F32 => go!(f32),
+            AccType::Bf16 => go!(bf16),
+            AccType::F16 => go!(f16),
+        }
+    }
+    Ok(())
+}
