@@ -67,8 +67,12 @@ pub trait SlideSparseBackend: Backend {
     /// Builds the prepared weights. May synchronize and allocate: it runs once.
     fn slidesparse_prepare(weights: PackedTensors<Self>) -> Result<Self::Prepared>;
 
-    /// `Y [M, out] = dequant(quant(lift(X)) . W'^T) + b` for `X [M, K]`.
-    fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2>;
+    /// `Y [M, out] = dequant(quant(lift(X)) . W'^T) + b` for `X [M, K]`, or an error from the
+    /// device (out of memory, a library failure).
+    fn slidesparse_forward(
+        x: Tensor<Self, 2>,
+        prepared: &Self::Prepared,
+    ) -> Result<Tensor<Self, 2>>;
 
     /// Prepared weights of the dense quantized baseline ([`QuantizedLinear`](crate::QuantizedLinear)).
     type DensePrepared: Clone + Debug + Send + Sync + 'static;
@@ -76,8 +80,9 @@ pub trait SlideSparseBackend: Backend {
     /// Builds the dense baseline's prepared weights. May synchronize and allocate.
     fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared>;
 
-    /// `Y [M, out] = dequant(quant(X) . W^T) + b` for `X [M, K]`.
-    fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared) -> Tensor<Self, 2>;
+    /// `Y [M, out] = dequant(quant(X) . W^T) + b` for `X [M, K]`, or an error from the device.
+    fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared)
+    -> Result<Tensor<Self, 2>>;
 }
 
 /// What a prepared weight depends on: the weight and scale parameters and the device.
@@ -130,8 +135,8 @@ macro_rules! impl_reference_backend {
             fn slidesparse_forward(
                 x: burn::tensor::Tensor<Self, 2>,
                 prepared: &Self::Prepared,
-            ) -> burn::tensor::Tensor<Self, 2> {
-                $crate::reference::forward(x, prepared)
+            ) -> $crate::Result<burn::tensor::Tensor<Self, 2>> {
+                Ok($crate::reference::forward(x, prepared))
             }
 
             type DensePrepared = $crate::reference::ReferencePrepared<Self>;
@@ -145,8 +150,8 @@ macro_rules! impl_reference_backend {
             fn dense_forward(
                 x: burn::tensor::Tensor<Self, 2>,
                 prepared: &Self::DensePrepared,
-            ) -> burn::tensor::Tensor<Self, 2> {
-                $crate::reference::forward(x, prepared)
+            ) -> $crate::Result<burn::tensor::Tensor<Self, 2>> {
+                Ok($crate::reference::forward(x, prepared))
             }
         }
     };

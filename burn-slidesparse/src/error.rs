@@ -123,6 +123,17 @@ pub enum SlideSparseError {
         "no usable NVIDIA GPU: {0}; run on a reference backend (e.g. NdArray) or check the driver"
     )]
     NoGpu(String),
+
+    #[error(
+        "GPU out of memory: {what} needs {needed} bytes but only {available} are free \
+         (driver free memory plus cubecl's unused pool); use fewer tokens per call (smaller M), \
+         fewer layers on this GPU, or free other tensors first"
+    )]
+    OutOfMemory {
+        what: String,
+        needed: u64,
+        available: u64,
+    },
 }
 
 impl SlideSparseError {

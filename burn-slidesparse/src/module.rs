@@ -226,7 +226,7 @@ impl<B: SlideSparseBackend> SlideSparseLinear<B> {
             input,
             (self.spec.in_features, self.spec.out_features),
             "SlideSparseLinear input (last dimension)",
-            |x| Ok(B::slidesparse_forward(x, &self.prepared()?)),
+            |x| B::slidesparse_forward(x, &self.prepared()?),
         )
     }
 

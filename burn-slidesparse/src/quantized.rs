@@ -96,7 +96,7 @@ impl<B: SlideSparseBackend> QuantizedLinear<B> {
             input,
             (self.spec.in_features, self.spec.out_features),
             "QuantizedLinear input (last dimension)",
-            |x| Ok(B::dense_forward(x, &self.prepared()?)),
+            |x| B::dense_forward(x, &self.prepared()?),
         )
     }
 

@@ -160,8 +160,9 @@ fn gpu_rank3_large_m_and_nan_rows() {
 /// Maps an output column of the lifted row to its source column (None: zero padding).
 type LiftSource = dyn Fn(usize) -> Option<usize>;
 
-/// Runs the quant+lift kernel on `x [m, k]` (uploaded as `F`) and checks codes and scales
-/// bit for bit against the spec computed on the host. `n == 0` is the dense baseline
+/// Runs both quant+lift kernels (the forward's choice and the row-staged one) on `x [m, k]`
+/// (uploaded as `F`) and checks codes and scales bit for bit against the spec computed on the
+/// host. `n == 0` is the dense baseline
 /// (plain quantization), whose output width is `K` rounded up to 16.
 fn check_quant_lift<F: burn_cubecl::FloatElement>(
     client: &cubecl::client::ComputeClient<CudaRuntime>,
@@ -170,7 +171,7 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
     pattern: Option<SparsityPattern>,
     precision: Precision,
 ) {
-    use burn_slidesparse::{cuda::backend::launch_quant_lift, fp8, reference::ACTIVATION_EPS};
+    use burn_slidesparse::cuda::launch::{QuantKernel, launch_quant_lift_with};
     let label = format!(
         "{} {precision} {} m={m} k={k}",
         pattern.map_or("dense".into(), |p| p.to_string()),
@@ -198,26 +199,52 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
     let xf: Vec<F> = x.iter().map(|&v| F::from_elem(v)).collect();
     let x: Vec<f32> = xf.iter().map(|v| v.elem::<f32>()).collect();
     let xh = client.create_from_slice(F::as_bytes(&xf));
-    let codes = client.empty(m_pad * k_out);
-    let scales = client.empty(m_pad * 4);
-    launch_quant_lift(
-        client,
-        &xh,
-        &codes,
-        &scales,
-        (m, m_pad, k, k_slide, k_out),
-        n,
-        precision,
-        F::dtype(),
-    )
-    .unwrap();
-    let got = client.read_one(codes).unwrap().to_vec();
-    let got_scales: Vec<f32> = client
-        .read_one(scales)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    for kernel in [QuantKernel::Auto, QuantKernel::RowStaged] {
+        let codes = client.empty(m_pad * k_out);
+        let scales = client.empty(m_pad * 4);
+        launch_quant_lift_with(
+            kernel,
+            client,
+            &xh,
+            &codes,
+            &scales,
+            (m, m_pad, k, k_slide, k_out),
+            n,
+            precision,
+            F::dtype(),
+        )
+        .unwrap();
+        let got = client.read_one(codes).unwrap().to_vec();
+        let got_scales: Vec<f32> = client
+            .read_one(scales)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let label = format!("{label} {kernel:?}");
+        check_codes(
+            &x,
+            &got,
+            &got_scales,
+            (m, m_pad, k, k_out),
+            &*source,
+            precision,
+            &label,
+        );
+    }
+}
+
+/// Codes and scales of the quant+lift kernel against the spec computed on the host.
+fn check_codes(
+    x: &[f32],
+    got: &[u8],
+    got_scales: &[f32],
+    (m, m_pad, k, k_out): (usize, usize, usize, usize),
+    source: &LiftSource,
+    precision: Precision,
+    label: &str,
+) {
+    use burn_slidesparse::{fp8, reference::ACTIVATION_EPS};
     let qmax = precision.qmax().unwrap();
     for row in 0..m_pad {
         let xr = if row < m {
@@ -250,10 +277,12 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
     }
 }
 
-/// The quant+lift kernel alone, bit for bit against the host reference of the spec: every
-/// pattern, f32 and bf16 input, K of every divisibility (vector widths 8/4/2/1), rows staged
-/// in shared memory and (f32, K > 12288) read from global memory twice, and the plain
-/// quantization of the dense baseline.
+/// The quant+lift kernels alone, bit for bit against the host reference of the spec: every
+/// pattern, f32 and bf16 input, K of every divisibility (vector widths 8/4/2/1), the grouped
+/// kernel with one to several groups per unit and cubes up to 1024 units (K up to 65536),
+/// the row-staged kernel with rows staged in shared memory and read from global memory
+/// twice, the plain quantization of the dense baseline, and INT8 quotients on and next to
+/// every rounding boundary (where the kernels' multiplication falls back to a division).
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn quant_lift_kernel_is_bit_exact() {
@@ -266,6 +295,8 @@ fn quant_lift_kernel_is_bit_exact() {
                 rng.random_range(1..700),
                 8 * rng.random_range(1..90),
                 13_000,
+                18_944,
+                65_536,
             ] {
                 let m: usize = rng.random_range(1..40);
                 let mut x = random_f32(&mut rng, m * k);
@@ -274,7 +305,34 @@ fn quant_lift_kernel_is_bit_exact() {
                 check_quant_lift::<half::bf16>(&client, &x, (m, k), pattern, precision);
             }
         }
+        let k = 4096;
+        let x = next_to_rounding_boundaries(&mut rng, k);
+        check_quant_lift::<f32>(&client, &x, (x.len() / k, k), pattern, Precision::Int8);
     }
+}
+
+/// Rows whose quotients `x / s` lie on and next to half-integers, where rounding by a
+/// multiplication with `1 / s` could differ from the spec's division: row 0 has `s = 1`
+/// (absmax 127) and exact halves; the others a random absmax and the 64 f32 values around
+/// each `(j + 1/2) s`.
+fn next_to_rounding_boundaries(rng: &mut impl rand::Rng, k: usize) -> Vec<f32> {
+    let mut x = vec![127.0f32];
+    x.extend((0..k - 1).map(|i| (i % 254) as f32 - 126.5));
+    for _ in 0..3 {
+        let absmax: f32 = rng.random_range(0.01..100.0);
+        let scale = absmax / 127.0;
+        let mut row = vec![absmax];
+        let mut j = -127i32;
+        while row.len() < k {
+            let center = (j as f32 + 0.5) * scale;
+            let first = f32::from_bits(center.to_bits() - 32);
+            row.extend((0..64).map(|u| f32::from_bits(first.to_bits() + u)));
+            j = if j == 126 { -127 } else { j + 1 };
+        }
+        row.truncate(k);
+        x.extend(row);
+    }
+    x
 }
 
 /// Puts the device back into its default ordering when dropped, even if a test panics, so
@@ -560,7 +618,7 @@ fn epilogue_kernel_matches_host() {
     use burn::tensor::ElementConversion;
     use burn_slidesparse::cuda::{
         accumulator::{AccType, Accumulator},
-        backend::launch_epilogue,
+        launch::launch_epilogue,
     };
     use half::bf16;
     let client = CudaRuntime::client(&Default::default());
@@ -709,4 +767,156 @@ fn quantized_linear_module_matches_the_reference() {
             assert!(err <= 2e-2, "{precision} bf16: {err}");
         }
     }
+}
+
+/// `M * K'` past 2^31 elements (the kernels switch to 64-bit addressing): a 6:8 INT8 layer
+/// on 400k tokens of GPU-generated random input, checked against the CPU reference on rows
+/// at both ends (tokens are independent: per-token scales, one output row per input row).
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn forward_past_two_to_the_31_elements_matches_the_reference_on_sampled_rows() {
+    use burn::tensor::Distribution;
+    let mut rng = rng(108);
+    let (m, k, n) = (400_000, 4096, 256);
+    let w = random_f32(&mut rng, n * k);
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    let (packed, _, _) = pack_linear("w", &w, n, k, None, &options).unwrap();
+    assert!(m * packed.pattern.geometry(k, packed.alignment).k_prime() > 1 << 31);
+    let device = Default::default();
+    let gpu = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
+    let x = Tensor::<Gpu, 2>::random(
+        [m, k],
+        Distribution::Uniform(-1.0, 1.0),
+        (&device, DType::F32),
+    );
+    let y = gpu.try_forward(x.clone()).unwrap();
+    let cpu = SlideSparseLinear::<Cpu>::from_packed(&packed, &Default::default());
+    for rows in [0..64, m - 64..m] {
+        let xs = x.clone().slice([rows.clone(), 0..k]);
+        let xs = xs.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let yc = cpu
+            .forward(Tensor::<Cpu, 2>::from_data(
+                TensorData::new(xs, [64, k]),
+                &Default::default(),
+            ))
+            .into_data()
+            .into_vec::<f32>()
+            .unwrap();
+        let yg = y.clone().slice([rows.clone(), 0..n]);
+        let yg = yg.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let err = rel_err(&yg, &yc);
+        println!("M = {m}, rows {rows:?}: rel err {err:.2e}");
+        assert!(err < tolerance(Precision::F32), "rows {rows:?}: {err:e}");
+    }
+}
+
+/// A forward whose buffers cannot fit on the GPU is refused with `OutOfMemory` (cubecl would
+/// panic on its device thread), for the SlideSparse and the dense layer, and the device keeps
+/// working afterwards.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn forward_past_gpu_memory_is_a_typed_error_and_the_device_keeps_working() {
+    use burn_slidesparse::{
+        QuantizedLinear, SlideSparseError,
+        cuda::{memory::available_bytes, state::device_state},
+        quant::quantize_weight,
+    };
+    let mut rng = rng(109);
+    let (k, n) = (4096, 16384);
+    let w = random_f32(&mut rng, n * k);
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    let (packed, _, _) = pack_linear("w", &w, n, k, None, &options).unwrap();
+    let device = Default::default();
+    let client = CudaRuntime::client(&device);
+    let sparse = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
+    sparse.prepared().unwrap();
+    let dense = QuantizedLinear::<Gpu>::from_quantized(
+        &quantize_weight(&w, n, k, Precision::Int8),
+        None,
+        &device,
+    );
+    dense.prepared().unwrap();
+    // An input of ~15% of the free memory whose forward buffers (codes, accumulators and
+    // output: ~9x the input here) need far more than the rest.
+    let available = available_bytes(&client, &device_state(0).unwrap()).unwrap();
+    let m = (available as usize / 7) / (4 * k);
+    let x = Tensor::<Gpu, 2>::zeros([m, k], (&device, DType::F32));
+    for (name, result) in [
+        ("sparse", sparse.try_forward(x.clone()).map(|_| ())),
+        ("dense", dense.try_forward(x.clone()).map(|_| ())),
+    ] {
+        match result {
+            Err(SlideSparseError::OutOfMemory {
+                needed, available, ..
+            }) => {
+                println!("{name}: M = {m} refused: needs {needed} B, {available} B free");
+                assert!(needed > available);
+            }
+            other => panic!("{name}: expected OutOfMemory for M = {m}, got {other:?}"),
+        }
+    }
+    drop(x);
+    // The device still works: a small forward against the reference.
+    let x = random_f32(&mut rng, 7 * k);
+    let (yg, yc) = run_both(&packed, &x, [7, k]);
+    assert!(rel_err(&yg, &yc) < tolerance(Precision::F32));
+}
+
+/// Both flag-wait kernels (CubeCL on burn's stream, NVRTC on ours) give up after their spin
+/// budget on a flag that never arrives: they record the epoch, poison the output with NaN
+/// and return, so a lost signal is an error, never a hang.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn flag_waits_time_out_instead_of_hanging() {
+    use burn_slidesparse::cuda::state::device_state;
+    use cubecl::{CubeCount, CubeDim, prelude::ArrayArg};
+    use cubecl_kernels::stream_sync::wait_kernel;
+    let client = CudaRuntime::client(&Default::default());
+    let flag = client.create_from_slice(&[0; 4]);
+    let timed_out = client.create_from_slice(&[0; 4]);
+    let poison = client.create_from_slice(&[0; 64 * 4]);
+    // SAFETY: one u32 flag, one u32 timeout record, 64 f32 of poison, as the kernel reads.
+    unsafe {
+        wait_kernel::launch_unchecked::<CudaRuntime>(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            ArrayArg::from_raw_parts(flag.clone(), 1),
+            ArrayArg::from_raw_parts(timed_out.clone(), 1),
+            ArrayArg::from_raw_parts(poison.clone(), 64),
+            7,
+            10_000,
+            64,
+            f32::NAN,
+        );
+    }
+    let record = client.read_one(timed_out).unwrap();
+    assert_eq!(u32::from_le_bytes(record[..4].try_into().unwrap()), 7);
+    let poison = client.read_one(poison).unwrap();
+    assert!(
+        poison
+            .chunks_exact(4)
+            .all(|c| f32::from_le_bytes(c.try_into().unwrap()).is_nan())
+    );
+
+    let flag = client.create_from_slice(&[0; 4]);
+    let timed_out = client.create_from_slice(&[0; 4]);
+    let device_ptr =
+        |h: &cubecl::server::Handle| client.get_resource(h.clone()).unwrap().resource().ptr;
+    let (flag_ptr, timed_out_ptr) = (device_ptr(&flag), device_ptr(&timed_out));
+    let state = device_state(0).unwrap();
+    let state = state.lock().unwrap();
+    state.make_current().unwrap();
+    // SAFETY: live 4-byte cubecl allocations (initialized: read back above is synchronous,
+    // and `get_resource` returns after the uploads); our stream belongs to this context.
+    unsafe {
+        state
+            .side
+            .wait(state.stream, flag_ptr, 9, timed_out_ptr, 10_000)
+            .unwrap();
+    }
+    state.synchronize().unwrap();
+    drop(state);
+    let record = client.read_one(timed_out).unwrap();
+    assert_eq!(u32::from_le_bytes(record[..4].try_into().unwrap()), 9);
 }

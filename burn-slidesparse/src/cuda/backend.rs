@@ -1,37 +1,32 @@
 //! `SlideSparseBackend` for burn-cuda's `CubeBackend<CudaRuntime, ..>`: the real pipeline.
 //!
 //! Forward of `X [M, K]`:
-//! 1. CubeCL `quant_lift_kernel` on burn's stream: `X' [M_pad, K']` codes and `s_x [M_pad]`;
+//! 1. CubeCL quant+lift kernel on burn's stream: `X' [M_pad, K']` codes and `s_x [M_pad]`;
 //! 2. cuSPARSELt sparse GEMM `acc [M_pad, N_pad] = X' . W'^T` with a cached plan;
 //! 3. CubeCL `dequant_bias_kernel` on burn's stream: `Y [M, N]` in the layer's float dtype.
 //!
-//! Stream ordering. cubecl-cuda 0.10 runs kernels on a private per-thread stream that it
-//! does not expose, so cuSPARSELt runs on a stream of ours; `ordering.rs` keeps the GEMM
-//! between the quantization and the epilogue (host synchronizations by default, device
-//! flags as an opt-in). Buffers come from cubecl's memory pool; their reuse is ordered on
-//! burn's stream behind the GEMM.
+//! (Kernel launches: `launch.rs`.) Stream ordering: cubecl-cuda 0.10 runs kernels on a
+//! private per-thread stream that it does not expose; `ordering.rs` puts the GEMM on that
+//! same stream (found through CUPTI, the default), or orders a stream of ours with host
+//! synchronizations or device flags. Buffers come from cubecl's memory pool; their reuse is
+//! ordered on burn's stream behind the GEMM.
 
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{
     BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous, tensor::CubeTensor,
 };
-use cubecl::{
-    CubeCount, CubeDim, calculate_cube_count_elemwise, e4m3, ir::AddressType, prelude::*,
-    server::Handle,
-};
-use cubecl_kernels::{
-    epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
-    quant_lift::{LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, quant_lift_kernel},
-};
+use cubecl::{prelude::*, server::Handle};
 use half::{bf16, f16};
 
 use super::{
-    accumulator::{AccType, Accumulator},
+    accumulator::Accumulator,
     cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
     cusparselt_sys::Stream,
     dense::DenseLayerGpu,
+    launch::{launch_epilogue, launch_quant_lift},
+    memory::ensure_fits,
     ordering::run_ordered,
     state::{DeviceState, device_state},
 };
@@ -158,6 +153,13 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     let n_pad = spec
         .out_features
         .next_multiple_of(n_multiple(spec.precision));
+    let state = device_state(index)?;
+    // The uncompressed upload plus about as much again for the compressed copy and its
+    // buffer, all alive together.
+    let weight_bytes_len = n_pad * k_prime * spec.precision.element_bytes();
+    ensure_fits(&client, &state, 2 * weight_bytes_len, || {
+        "SlideSparseLinear weights".into()
+    })?;
     let values = host_f32(weights.weight)?;
     let dense = client.create_from_slice(&weight_bytes(
         &values,
@@ -175,7 +177,6 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
         None => None,
     };
 
-    let state = device_state(index)?;
     let guard = state.lock().unwrap_or_else(|e| e.into_inner());
     guard.make_current()?;
     let desc = MatDescriptor::structured(&guard.lt, k_prime, n_pad, spec.precision)?;
@@ -222,178 +223,6 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     })
 }
 
-fn lift_mode(precision: Precision) -> LiftMode {
-    match precision {
-        Precision::Int8 => LiftMode::Int8,
-        Precision::Fp8 => LiftMode::Fp8,
-        _ => LiftMode::Float,
-    }
-}
-
-fn address_type(bytes: usize) -> AddressType {
-    if bytes > (i32::MAX as usize) {
-        AddressType::U64
-    } else {
-        AddressType::U32
-    }
-}
-
-/// Input vector width (elements) of the quant kernel for elements of `elem_bytes`: 16 bytes
-/// where `K` allows.
-fn input_vector(k: usize, elem_bytes: usize) -> usize {
-    let full = 16 / elem_bytes;
-    [full, 4, 2, 1]
-        .into_iter()
-        .find(|v| k.is_multiple_of(*v))
-        .unwrap_or(1)
-}
-
-/// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
-/// `n == 0` is the dense baseline (no lift, `k_slide == k`). `k_out` must be a multiple of 4.
-///
-/// The row is staged in shared memory (read once from global memory) when it fits in
-/// [`STAGE_BYTES`]; longer rows (f32 rows over 12288 elements) are read twice.
-#[allow(clippy::too_many_arguments)]
-pub fn launch_quant_lift(
-    client: &Client,
-    x: &Handle,
-    codes: &Handle,
-    scales: &Handle,
-    (m, m_pad, k, k_slide, k_out): (usize, usize, usize, usize, usize),
-    n: u32,
-    precision: Precision,
-    input: DType,
-) -> Result<()> {
-    let input_bytes = input.size();
-    let mode = lift_mode(precision);
-    let elem = precision.element_bytes();
-    let addr = address_type((m_pad * k_out * elem.max(4)).max(m * k * input_bytes));
-    let count = CubeCount::Static(m_pad as u32, 1, 1);
-    let dim = CubeDim::new_1d(QUANT_CUBE_DIM);
-    let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
-    // Round the staged length so that layers of similar width share one compiled kernel.
-    let staged_len = k.next_multiple_of(1024);
-    let staged = if staged_len * input_bytes <= STAGE_BYTES {
-        staged_len
-    } else {
-        0
-    };
-    let vi = if staged > 0 {
-        input_vector(k, input_bytes)
-    } else {
-        1
-    };
-    // 16-byte stores for 8-bit codes, else one 2:4 window per store.
-    let vo = if elem == 1 && k_out.is_multiple_of(16) {
-        16
-    } else {
-        4
-    };
-    // SAFETY: buffer sizes match the lengths given; the kernel bounds every access by them.
-    unsafe {
-        let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k / vi);
-        let out = ArrayArg::from_raw_parts(codes.clone(), m_pad * k_out / vo);
-        let s = ArrayArg::from_raw_parts(scales.clone(), m_pad);
-        macro_rules! go {
-            ($q:ty) => {
-                quant_lift_kernel::launch_unchecked::<$q, Runtime>(
-                    client,
-                    count,
-                    dim,
-                    addr,
-                    vi,
-                    vo,
-                    x_arg,
-                    out,
-                    s,
-                    scalars.0,
-                    scalars.1,
-                    scalars.2,
-                    scalars.3,
-                    f32::NAN,
-                    n,
-                    mode,
-                    staged,
-                    input.into(),
-                )
-            };
-        }
-        match precision {
-            Precision::Int8 => go!(i8),
-            Precision::Fp8 => go!(e4m3),
-            Precision::Bf16 => go!(bf16),
-            Precision::F16 => go!(f16),
-            Precision::F32 => go!(f32),
-        }
-    }
-    Ok(())
-}
-
-/// Launches the epilogue: `acc [m_pad, n_pad]` -> `Y [m, n]`.
-#[allow(clippy::too_many_arguments)]
-pub fn launch_epilogue(
-    client: &Client,
-    acc: &Handle,
-    token_scales: &Handle,
-    channel_scales: &Handle,
-    bias: Option<&Handle>,
-    out: &Handle,
-    (m, m_pad, n, n_pad): (usize, usize, usize, usize),
-    accumulator: Accumulator,
-    output: DType,
-) -> Result<()> {
-    // The widest vector of at most 16 bytes (the widest CUDA load/store; wider vectors
-    // compute wrong results in cubecl 0.10) that divides both row lengths, so that no
-    // vector straddles two rows.
-    let widest = accumulator.bytes().max(output.size());
-    let v = [8usize, 4, 2, 1]
-        .into_iter()
-        .find(|v| v * widest <= 16 && n.is_multiple_of(*v) && n_pad.is_multiple_of(*v))
-        .unwrap_or(1);
-    let dim = CubeDim::new_1d(EPILOGUE_CUBE_DIM);
-    let count = calculate_cube_count_elemwise(client, m * n / v, dim);
-    let addr = address_type(m_pad * n_pad * 4);
-    let channel_scaled = accumulator.channel_scaled;
-    // SAFETY: sizes as allocated by the caller; the kernel reads only rows < m, cols < n.
-    unsafe {
-        let acc_arg = ArrayArg::from_raw_parts(acc.clone(), m_pad * n_pad / v);
-        let sx = ArrayArg::from_raw_parts(token_scales.clone(), m_pad);
-        let sw = ArrayArg::from_raw_parts(channel_scales.clone(), n / v);
-        let b = ArrayArg::from_raw_parts(bias.unwrap_or(channel_scales).clone(), n / v);
-        let y = ArrayArg::from_raw_parts(out.clone(), m * n / v);
-        let dims = (m as u32, n as u32, n_pad as u32);
-        macro_rules! go {
-            ($a:ty) => {
-                dequant_bias_kernel::launch_unchecked::<$a, Runtime>(
-                    client,
-                    count,
-                    dim,
-                    addr,
-                    v,
-                    acc_arg,
-                    sx,
-                    sw,
-                    b,
-                    y,
-                    dims.0,
-                    dims.1,
-                    dims.2,
-                    bias.is_some(),
-                    channel_scaled,
-                    output.into(),
-                )
-            };
-        }
-        match accumulator.ty {
-            AccType::I32 => go!(i32),
-            AccType::F32 => go!(f32),
-            AccType::Bf16 => go!(bf16),
-            AccType::F16 => go!(f16),
-        }
-    }
-    Ok(())
-}
-
 /// The full forward on the GPU; `x` must be contiguous `[m, k]`.
 ///
 /// The float type is the tensor's own dtype, not the backend's `F`: burn 0.21 keeps a
@@ -407,13 +236,18 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
     let precision = spec.precision;
     let m_pad = m_pad(m, precision);
     let client = x.client.clone();
-
-    let codes = client.empty(m_pad * k_prime * precision.element_bytes());
-    let token_scales = client.empty(m_pad * 4);
     let dtype = x.dtype;
     let accumulator = Accumulator::sparse(precision, dtype);
-    let acc = client.empty(m_pad * n_pad * accumulator.bytes());
-    let out = client.empty(m * n * dtype.size());
+    let sizes = [
+        m_pad * k_prime * precision.element_bytes(),
+        m_pad * 4,
+        m_pad * n_pad * accumulator.bytes(),
+        m * n * dtype.size(),
+    ];
+    ensure_fits(&client, &prepared.state, sizes.iter().sum(), || {
+        format!("SlideSparseLinear forward of {m} tokens")
+    })?;
+    let [codes, token_scales, acc, out] = sizes.map(|bytes| client.empty(bytes));
     launch_quant_lift(
         &client,
         &x.handle,
@@ -537,11 +371,13 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend
         prepare_weights(weights)
     }
 
-    fn slidesparse_forward(x: Tensor<Self, 2>, prepared: &Self::Prepared) -> Tensor<Self, 2> {
+    fn slidesparse_forward(
+        x: Tensor<Self, 2>,
+        prepared: &Self::Prepared,
+    ) -> Result<Tensor<Self, 2>> {
         let x = into_contiguous(x.into_primitive().tensor());
-        let y =
-            forward_impl(x, prepared).unwrap_or_else(|e| panic!("SlideSparse CUDA forward: {e}"));
-        Tensor::from_primitive(TensorPrimitive::Float(y))
+        let y = forward_impl(x, prepared)?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
     }
 
     type DensePrepared = DenseLayerGpu;
@@ -563,10 +399,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> SlideSparseBackend
         DenseLayerGpu::new(&client, index, &quantized, bias.as_deref())
     }
 
-    fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared) -> Tensor<Self, 2> {
-        let y = prepared
-            .forward(&x.into_primitive().tensor())
-            .unwrap_or_else(|e| panic!("dense quantized CUDA forward: {e}"));
-        Tensor::from_primitive(TensorPrimitive::Float(y))
+    fn dense_forward(
+        x: Tensor<Self, 2>,
+        prepared: &Self::DensePrepared,
+    ) -> Result<Tensor<Self, 2>> {
+        let y = prepared.forward(&x.into_primitive().tensor())?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
     }
 }

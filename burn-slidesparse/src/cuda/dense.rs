@@ -8,8 +8,10 @@ use cubecl::{prelude::*, server::Handle};
 
 use super::{
     accumulator::Accumulator,
-    backend::{Runtime, launch_epilogue, launch_quant_lift, m_pad, ptr},
+    backend::{Runtime, m_pad, ptr},
     cublaslt::{DenseShape, WORKSPACE},
+    launch::{launch_epilogue, launch_quant_lift},
+    memory::ensure_fits,
     ordering::run_ordered,
     state::{DeviceState, device_state},
 };
@@ -63,6 +65,10 @@ impl DenseLayerGpu {
         let (n, k) = (weight.rows, weight.cols);
         let (n_pad, k_pad) = (n.next_multiple_of(16), k.next_multiple_of(16));
         let elem = precision.element_bytes();
+        let state = device_state(device_index)?;
+        ensure_fits(client, &state, n_pad * k_pad * elem, || {
+            "QuantizedLinear weights".into()
+        })?;
         let src = weight.codes.to_le_bytes();
         let mut bytes = vec![0u8; n_pad * k_pad * elem];
         for r in 0..n {
@@ -79,7 +85,7 @@ impl DenseLayerGpu {
             weight: client.create_from_slice(&bytes),
             scale: client.create_from_slice(&f32_bytes(&weight.scales)),
             bias: bias.map(|b| client.create_from_slice(&f32_bytes(b))),
-            state: device_state(device_index)?,
+            state,
         })
     }
 
@@ -93,12 +99,18 @@ impl DenseLayerGpu {
         }
         let client = x.client.clone();
         let m_pad = m_pad(m, self.precision);
-        let codes = client.empty(m_pad * self.k_pad * self.precision.element_bytes());
-        let token_scales = client.empty(m_pad * 4);
         let dtype = x.dtype;
         let accumulator = Accumulator::dense(self.precision, dtype);
-        let acc = client.empty(m_pad * self.n_pad * accumulator.bytes());
-        let out = client.empty(m * self.n * dtype.size());
+        let sizes = [
+            m_pad * self.k_pad * self.precision.element_bytes(),
+            m_pad * 4,
+            m_pad * self.n_pad * accumulator.bytes(),
+            m * self.n * dtype.size(),
+        ];
+        ensure_fits(&client, &self.state, sizes.iter().sum(), || {
+            format!("QuantizedLinear forward of {m} tokens")
+        })?;
+        let [codes, token_scales, acc, out] = sizes.map(|bytes| client.empty(bytes));
         launch_quant_lift(
             &client,
             &x.handle,

@@ -9,6 +9,8 @@ pub mod cupti;
 pub mod cusparselt;
 pub mod cusparselt_sys;
 pub mod dense;
+pub mod launch;
+pub mod memory;
 pub mod ordering;
 pub mod side_kernels;
 pub mod state;

@@ -54,7 +54,7 @@ pub enum SyncMode {
     /// layer benchmark saw multi-second stalls on Llama-sized layers. Opt in with
     /// `SLIDESPARSE_SYNC=flags`.
     Flags,
-    /// Host synchronizations before and after the GEMM (default).
+    /// Host synchronizations before and after the GEMM (correct anywhere; the fallback).
     Host,
 }
 

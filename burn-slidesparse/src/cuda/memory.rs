@@ -1,0 +1,64 @@
+//! Refusing allocations that cannot fit, before cubecl is asked for them.
+//!
+//! cubecl-cuda 0.10 allocates on its device thread and unwraps the result there: a request
+//! past the GPU's memory panics inside cubecl instead of returning an error to us. So the
+//! large requests of a layer (its weights at preparation, its activation buffers at large
+//! M) are checked first against what is free: the driver's free memory plus what cubecl's
+//! pool holds but does not use. A request that fails that check is a typed
+//! [`SlideSparseError::OutOfMemory`]; one that passes it can still fail on fragmentation,
+//! which remains cubecl's panic.
+
+use std::sync::Mutex;
+
+use cubecl::prelude::*;
+use cudarc::driver::result as cu;
+
+use super::{backend::Runtime, state::DeviceState};
+use crate::error::{Result, SlideSparseError};
+
+type Client = ComputeClient<Runtime>;
+
+/// Requests below this size are not checked: checking costs a driver call and a round trip
+/// to cubecl's device thread (~10 us), nothing next to the work such a request feeds.
+pub const CHECK_FROM_BYTES: usize = 64 << 20;
+
+/// Errors with [`SlideSparseError::OutOfMemory`] if `bytes` more cannot fit on the device
+/// (see the module docs); requests under [`CHECK_FROM_BYTES`] pass unchecked. `what` names
+/// the request for the error (built only then: no allocation on the hot path).
+pub fn ensure_fits(
+    client: &Client,
+    state: &Mutex<DeviceState>,
+    bytes: usize,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    if bytes < CHECK_FROM_BYTES {
+        return Ok(());
+    }
+    let available = available_bytes(client, state)?;
+    if bytes as u64 > available {
+        return Err(SlideSparseError::OutOfMemory {
+            what: what(),
+            needed: bytes as u64,
+            available,
+        });
+    }
+    Ok(())
+}
+
+/// Free device memory plus the bytes cubecl's pool has reserved but does not use.
+pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u64> {
+    let driver_free = {
+        let state = state.lock().unwrap_or_else(|e| e.into_inner());
+        state.make_current()?;
+        cu::mem_get_info()
+            .map_err(|e| SlideSparseError::Backend(format!("CUDA driver: cuMemGetInfo: {e:?}")))?
+            .0 as u64
+    };
+    let pool = client
+        .memory_usage()
+        .map_err(|e| SlideSparseError::Backend(format!("cubecl memory usage: {e:?}")))?;
+    let pool_free = pool
+        .bytes_reserved
+        .saturating_sub(pool.bytes_in_use + pool.bytes_padding);
+    Ok(driver_free + pool_free)
+}
