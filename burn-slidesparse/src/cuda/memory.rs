@@ -45,14 +45,15 @@ pub fn ensure_fits(
     Ok(())
 }
 
-/// Free device memory plus the bytes cubecl's pool has reserved but does not use.
+/// Free device memory plus the bytes cubecl's pool has reserved but does not use, capped at
+/// the device's total less the pool's bytes in use (cubecl's reserved count was seen to
+/// exceed what the driver reports as used, which alone overstated the sum).
 pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u64> {
-    let driver_free = {
+    let (driver_free, total) = {
         let state = state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
         cu::mem_get_info()
             .map_err(|e| SlideSparseError::Backend(format!("CUDA driver: cuMemGetInfo: {e:?}")))?
-            .0 as u64
     };
     let pool = client
         .memory_usage()
@@ -60,5 +61,6 @@ pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u6
     let pool_free = pool
         .bytes_reserved
         .saturating_sub(pool.bytes_in_use + pool.bytes_padding);
-    Ok(driver_free + pool_free)
+    let in_use = pool.bytes_in_use + pool.bytes_padding;
+    Ok((driver_free as u64 + pool_free).min((total as u64).saturating_sub(in_use)))
 }

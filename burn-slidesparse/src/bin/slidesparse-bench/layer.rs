@@ -4,7 +4,8 @@
 //! with their achieved bandwidth against a measured device copy.
 //!
 //! A layer is timed as wall time of `forward + device sync`, median of `--reps`, after
-//! warm-up, with inputs rotated beyond the 60 MB L2. At decode sizes (M <= 64, INT8) each
+//! warm-up, with inputs rotated beyond the 60 MB L2; the stages alone and the copy are timed
+//! on the device (CUDA events through cubecl's profiler). At decode sizes (M <= 64, INT8) each
 //! ordering design is also timed back to back (many forwards, one sync), as a model runs.
 
 use std::{collections::BTreeMap, time::Instant};
@@ -74,11 +75,41 @@ fn median_ms<B: Backend>(
     t[t.len() / 2]
 }
 
-/// Device-to-device copy bandwidth (bytes read + written per second), through burn.
-fn copy_bandwidth(device: &burn::tensor::Device<Gpu>) -> f64 {
+/// Median device milliseconds of the kernels `f(i)` launches, timed by cubecl's profiler
+/// (CUDA events on burn's stream around each call): no launch or synchronization overhead,
+/// which matters for the stages alone (tens of microseconds).
+fn device_median_ms(
+    client: &cubecl::client::ComputeClient<CudaRuntime>,
+    warmup: usize,
+    reps: usize,
+    f: impl Fn(usize) + Sync,
+) -> f64 {
+    for i in 0..warmup {
+        f(i);
+    }
+    let mut t: Vec<f64> = (0..reps)
+        .map(|i| {
+            let f = &f;
+            let (_, duration) = client.profile(move || f(i), "stage").unwrap();
+            cubecl::future::block_on(duration.resolve())
+                .duration()
+                .as_secs_f64()
+                * 1e3
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), through burn, timed
+/// on the device like the stages.
+fn copy_bandwidth(
+    client: &cubecl::client::ComputeClient<CudaRuntime>,
+    device: &burn::tensor::Device<Gpu>,
+) -> f64 {
     let n = 512 << 20; // 1 GiB of bf16
     let x = Tensor::<Gpu, 1>::random([n], Distribution::Default, device);
-    let ms = median_ms::<Gpu>(device, 3, 20, |_| {
+    let ms = device_median_ms(client, 3, 20, |_| {
         let _ = x.clone().add_scalar(1.0);
     });
     2.0 * (ACT_BYTES * n) as f64 / (ms / 1e3)
@@ -88,7 +119,7 @@ pub fn layer_bench(args: &Args) {
     let device = Default::default();
     let client = CudaRuntime::client(&device);
     let (ms, precisions, patterns) = sweep(args);
-    let copy_bw = copy_bandwidth(&device);
+    let copy_bw = copy_bandwidth(&client, &device);
     println!(
         "measured copy bandwidth (x + 1.0 over 1 GiB, read + write): {:.0} GB/s",
         copy_bw / 1e9
@@ -153,8 +184,8 @@ pub fn layer_bench(args: &Args) {
                         line += &format!(" {pattern} {t:.4}");
                         if *pattern == SparsityPattern::P6_8 {
                             stages.push(stage_times(
-                                &client, &device, &prims, *precision, *pattern, n, k, m, args.reps,
-                                copy_bw, &model,
+                                &client, &prims, *precision, *pattern, n, k, m, args.reps, copy_bw,
+                                &model,
                             ));
                         }
                     }
@@ -273,7 +304,6 @@ fn ordering_cost(
 #[allow(clippy::too_many_arguments)]
 fn stage_times(
     client: &cubecl::client::ComputeClient<CudaRuntime>,
-    device: &burn::tensor::Device<Gpu>,
     xs: &[burn_cubecl::tensor::CubeTensor<CudaRuntime>],
     precision: Precision,
     pattern: SparsityPattern,
@@ -290,7 +320,7 @@ fn stage_times(
     let codes = client.empty(mp * g.k_prime());
     let scales = client.empty(mp * 4);
     let quant_ms = |kernel, n_lift, (k_slide, k_out): (usize, usize)| {
-        median_ms::<Gpu>(device, 3, reps, |i| {
+        device_median_ms(client, 3, reps, |i| {
             launch_quant_lift_with(
                 kernel,
                 client,
@@ -316,7 +346,7 @@ fn stage_times(
     let acc = client.empty(mp * n_pad * accumulator.bytes());
     let sw = client.empty(n * 4);
     let out = client.empty(m * n * ACT_BYTES);
-    let epi_ms = median_ms::<Gpu>(device, 3, reps, |_| {
+    let epi_ms = device_median_ms(client, 3, reps, |_| {
         launch_epilogue(
             client,
             &acc,
