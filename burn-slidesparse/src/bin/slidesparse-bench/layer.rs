@@ -3,10 +3,12 @@
 //! burn's own bf16 `nn::Linear`; plus the stages alone (quant+lift, plain quant, epilogue)
 //! with their achieved bandwidth against a measured device copy.
 //!
-//! A layer is timed as wall time of `forward + device sync`, median of `--reps`, after
-//! warm-up, with inputs rotated beyond the 60 MB L2; the stages alone and the copy are timed
-//! on the device (CUDA events through cubecl's profiler). At decode sizes (M <= 64, INT8) each
-//! ordering design is also timed back to back (many forwards, one sync), as a model runs.
+//! A layer is timed back to back, as a model runs it: `--reps` forwards, one device sync,
+//! wall time per forward; median of 7 such batches after warm-up, inputs rotated beyond the
+//! 60 MB L2. (Timing each call with its own sync quantizes short times to the host's sync
+//! polling: medians of unrelated variants landed on the same ~0.4 ms.) The stages alone and
+//! the copy are timed on the device (CUDA events through cubecl's profiler). At decode sizes
+//! (M <= 64, INT8) each ordering design is also timed with a sync per call.
 
 use std::{collections::BTreeMap, time::Instant};
 
@@ -158,7 +160,7 @@ pub fn layer_bench(args: &Args) {
                 let xs: Vec<Tensor<Gpu, 2>> = (0..rot)
                     .map(|_| Tensor::random([m, k], Distribution::Uniform(-1.0, 1.0), &device))
                     .collect();
-                let bf16_ms = median_ms::<Gpu>(&device, 5, args.reps, |i| {
+                let bf16_ms = back_to_back_ms::<Gpu>(&device, args.reps, |i| {
                     let _ = bf16_linear.forward(xs[i % rot].clone());
                 });
                 for (precision, dense, sparse) in &layers {
@@ -169,7 +171,7 @@ pub fn layer_bench(args: &Args) {
                         .iter()
                         .map(|x| x.clone().into_primitive().tensor())
                         .collect();
-                    let dense_ms = median_ms::<Gpu>(&device, 5, args.reps, |i| {
+                    let dense_ms = back_to_back_ms::<Gpu>(&device, args.reps, |i| {
                         let _ = dense.forward(&prims[i % rot]).unwrap();
                     });
                     *entry.entry("dense".into()).or_default() += dense_ms;
@@ -177,7 +179,7 @@ pub fn layer_bench(args: &Args) {
                         "{model} {n}x{k} {precision} M={m}: bf16 {bf16_ms:.4} dense {dense_ms:.4}"
                     );
                     for (pattern, layer) in sparse {
-                        let t = median_ms::<Gpu>(&device, 5, args.reps, |i| {
+                        let t = back_to_back_ms::<Gpu>(&device, args.reps, |i| {
                             let _ = layer.forward(xs[i % rot].clone());
                         });
                         *entry.entry(pattern.to_string()).or_default() += t;
@@ -423,7 +425,7 @@ fn print_tables(
 ) {
     let names: Vec<String> = patterns.iter().map(|p| p.to_string()).collect();
     println!(
-        "\nWhole layers, summed over the block's 4 layers: ms, and speedup of each SlideSparse pattern vs the dense layer (same pipeline)"
+        "\nWhole layers, back to back, summed over the block's 4 layers: ms per forward, and speedup of each SlideSparse pattern vs the dense layer (same pipeline)"
     );
     println!(
         "| model | precision | M | burn bf16 ms | dense ms | {} | {} |",
