@@ -2,6 +2,7 @@
 //! share with the CPU packer and reference path.
 //!
 //! - [`geometry`]: pattern geometry (`K_pad`, `K_slide`, `K'`) and the lift index map `src(o)`.
+//! - [`grouping`]: how the grouped quant+lift kernel cuts a row (groups, units, registers).
 //! - [`rounding`]: INT8 rounding by a multiplication, bit-identical to the spec's division.
 //! - `quant_lift` (feature `cubecl`): fused per-token quantization + lift, and the plain
 //!   per-token quantization of the dense baseline (the same kernel without the lift).
@@ -14,6 +15,7 @@
 #[cfg(feature = "cubecl")]
 pub mod epilogue;
 pub mod geometry;
+pub mod grouping;
 #[cfg(feature = "cubecl")]
 pub mod quant_lift;
 pub mod rounding;

@@ -12,7 +12,10 @@
 
 use cubecl::prelude::*;
 
-use crate::{geometry::lift_source_unbounded, rounding::HALF_INTEGER_GUARD};
+use crate::{
+    grouping::{group_input_len, group_output_len, group_source},
+    rounding::HALF_INTEGER_GUARD,
+};
 
 /// Units per cube (8 warps): one row of up to a few thousand windows per cube.
 pub const QUANT_CUBE_DIM: u32 = 256;
@@ -236,34 +239,12 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     }
 }
 
-/// Input elements of one group of [`quant_lift_grouped_kernel`]: four pattern blocks
-/// (`8n`), or 16 for the dense baseline (`n == 0`).
-pub fn group_input_len(n: u32) -> usize {
-    if n == 0 { 16 } else { 8 * n as usize }
-}
-
-/// Output codes of one group: four blocks' `4(n-1)` windows each, or 16 for `n == 0`.
-/// Always a multiple of 16, so groups start on 16-code output vectors.
-pub fn group_output_len(n: u32) -> usize {
-    if n == 0 { 16 } else { 16 * (n as usize - 1) }
-}
-
-/// Column of the group's input that the group's output column `o` copies: the lift map
-/// restricted to one group (groups start on block boundaries), the identity for `n == 0`.
-pub fn group_source(o: usize, n: u32) -> usize {
-    if n == 0 {
-        o
-    } else {
-        lift_source_unbounded(o, n as usize)
-    }
-}
-
 /// `X [M, K]` -> `X' [M_pad, K']` codes + `s_x [M_pad]`, the fast path for rows of whole
 /// 16-byte input vectors (`K % VI == 0`, `VI` = 16 bytes): same contract and same codes as
 /// [`quant_lift_kernel`], other layout of the work.
 ///
 /// The row is cut into groups of four pattern blocks ([`group_input_len`] inputs ->
-/// [`group_output_len`] outputs, both whole vectors). Each unit of the row's cube owns
+/// [`group_output_len`] outputs, both whole vectors; `crate::grouping`). Each unit of the row's cube owns
 /// `groups_per_unit` groups and keeps their input in registers:
 /// 1. load the groups' input vectors (16-byte loads; vectors past `K` are zeros) and reduce
 ///    the absmax;

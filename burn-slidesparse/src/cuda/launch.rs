@@ -8,9 +8,9 @@ use cubecl::{
 };
 use cubecl_kernels::{
     epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
+    grouping::grouped_layout,
     quant_lift::{
-        LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, group_input_len, quant_lift_grouped_kernel,
-        quant_lift_kernel,
+        LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, quant_lift_grouped_kernel, quant_lift_kernel,
     },
 };
 use half::{bf16, f16};
@@ -47,34 +47,6 @@ fn input_vector(k: usize, elem_bytes: usize) -> usize {
         .into_iter()
         .find(|v| k.is_multiple_of(*v))
         .unwrap_or(1)
-}
-
-/// Input vectors a unit of the grouped kernel may hold in registers (16 bytes each).
-const MAX_HELD_VECTORS: usize = 16;
-
-/// Cube size and groups per unit of [`quant_lift_grouped_kernel`] for rows of `k` elements of
-/// `elem_bytes`, or `None` where the row is not whole 16-byte vectors or would need more
-/// registers than [`MAX_HELD_VECTORS`] in a cube of 1024 units.
-///
-/// Cubes are as small as the row allows (one group per unit up to 256 units), so that short
-/// rows still fill the GPU with many small cubes; longer rows give each unit several groups.
-fn grouped_layout(k: usize, n: u32, elem_bytes: usize) -> Option<(u32, usize)> {
-    let vector = 16 / elem_bytes;
-    let in_len = group_input_len(n);
-    if !k.is_multiple_of(vector) || !in_len.is_multiple_of(vector) {
-        return None;
-    }
-    let in_vectors = in_len / vector;
-    let groups = k.div_ceil(in_len);
-    let mut units = groups.next_power_of_two().clamp(32, 256);
-    if groups.div_ceil(units) * in_vectors > MAX_HELD_VECTORS {
-        units = (groups * in_vectors)
-            .div_ceil(MAX_HELD_VECTORS)
-            .next_power_of_two()
-            .min(1024);
-    }
-    let per_unit = groups.div_ceil(units);
-    (per_unit * in_vectors <= MAX_HELD_VECTORS).then_some((units as u32, per_unit))
 }
 
 /// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
