@@ -139,4 +139,106 @@ mod tests {
         assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00);
         assert_eq!(f32_to_e4m3(2f32.powi(-10) * 1.01), 0x01);
     }
+
+    /// The kernels' FP8 codes (`cubecl_kernels::rounding::fp8_code`: a multiplication by
+    /// `1 / s`, the division only next to a rounding midpoint, then their own integer E4M3
+    /// encoder) equal the spec's division encoded by this module.
+    mod kernel_quotient {
+        use super::*;
+        use cubecl_kernels::rounding::{e4m3_bits, fp8_code};
+
+        /// The kernels' integer encoder against this module's on every 61st f32 in
+        /// [-448, 448] and on every E4M3 value and midpoint with its neighbours.
+        #[test]
+        fn integer_encoder_matches_the_reference_encoder() {
+            let mut checked = 0usize;
+            let mut check = |v: f32| {
+                for y in [v, -v] {
+                    assert_eq!(e4m3_bits(y) as u8, f32_to_e4m3(y), "y = {y:e}");
+                }
+                checked += 1;
+            };
+            for bits in (0..=E4M3_MAX.to_bits()).step_by(61) {
+                check(f32::from_bits(bits));
+            }
+            let values = positive_values();
+            for w in values.windows(2) {
+                for v in [w[0], (w[0] + w[1]) / 2.0] {
+                    for u in v.to_bits().saturating_sub(3)..=v.to_bits() + 3 {
+                        check(f32::from_bits(u).min(E4M3_MAX));
+                    }
+                }
+            }
+            assert!(checked > 17_000_000);
+        }
+
+        fn by_division(x: f32, scale: f32) -> u8 {
+            f32_to_e4m3((x / scale).clamp(-E4M3_MAX, E4M3_MAX))
+        }
+
+        /// Deterministic `(absmax, scale)` pairs over many binades, as the kernels compute
+        /// them (`max(absmax, 1e-12) / 448`).
+        fn scales() -> impl Iterator<Item = (f32, f32)> {
+            (0..600u32).map(|i| {
+                let absmax = (1.0 + (i as f32 * 0.618_034).fract()) * 2f32.powi(i as i32 % 80 - 50);
+                let absmax = absmax.max(1e-12);
+                (absmax, absmax / E4M3_MAX)
+            })
+        }
+
+        #[test]
+        fn equals_the_division_on_values_of_a_row() {
+            use rand::{Rng, SeedableRng, rngs::StdRng};
+            let mut rng = StdRng::seed_from_u64(7);
+            for (absmax, scale) in scales() {
+                let inv = 1.0 / scale;
+                for _ in 0..3_000 {
+                    // Uniform and log-uniform magnitudes: the subnormal codes need the latter.
+                    let x = if rng.random_bool(0.5) {
+                        rng.random_range(-absmax..=absmax)
+                    } else {
+                        absmax * 2f32.powi(-rng.random_range(0..20)) * rng.random_range(-1.0..1.0)
+                    };
+                    assert_eq!(
+                        fp8_code(x, scale, inv),
+                        by_division(x, scale),
+                        "x = {x:e}, scale = {scale:e}"
+                    );
+                }
+                assert_eq!(fp8_code(absmax, scale, inv), 0x7E);
+            }
+        }
+
+        /// Every value within 100 ulps of each midpoint quotient `h * s` (all 252 midpoints
+        /// between finite E4M3 magnitudes, both signs), where the multiplication alone can
+        /// round the other way: the guard must catch them all.
+        #[test]
+        fn equals_the_division_next_to_every_midpoint() {
+            let values = positive_values();
+            let midpoints: Vec<f32> = values.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+            let mut caught = 0usize;
+            for (_, scale) in scales().step_by(7) {
+                let inv = 1.0 / scale;
+                for &h in &midpoints {
+                    for sign in [1.0f32, -1.0] {
+                        let center = sign * h * scale;
+                        let mut x = f32::from_bits(center.to_bits().saturating_sub(100));
+                        for _ in 0..200 {
+                            let naive = f32_to_e4m3((x * inv).clamp(-E4M3_MAX, E4M3_MAX));
+                            let exact = by_division(x, scale);
+                            caught += usize::from(naive != exact);
+                            assert_eq!(
+                                fp8_code(x, scale, inv),
+                                exact,
+                                "x = {x:e}, scale = {scale:e}, midpoint {h}"
+                            );
+                            x = f32::from_bits(x.to_bits() + 1);
+                        }
+                    }
+                }
+            }
+            // The test reaches the cases the guard exists for.
+            assert!(caught > 0);
+        }
+    }
 }

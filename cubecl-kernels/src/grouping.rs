@@ -29,29 +29,44 @@ pub fn group_source(o: usize, n: u32) -> usize {
 /// Input vectors a unit of the grouped kernel may hold in registers (16 bytes each).
 pub const MAX_HELD_VECTORS: usize = 16;
 
+/// Most units a cube of the grouped kernel has.
+pub const MAX_UNITS: usize = 1024;
+
 /// Cube size (units) and groups per unit for rows of `k` elements of `elem_bytes`, or `None`
 /// where the row is not whole 16-byte vectors or would need more registers than
-/// [`MAX_HELD_VECTORS`] in a cube of 1024 units (then the row-staged kernel runs).
+/// [`MAX_HELD_VECTORS`] per unit in a cube of [`MAX_UNITS`] (then the row-staged kernel runs).
 ///
-/// Cubes are as small as the row allows (one group per unit up to 256 units), so that short
-/// rows still fill the GPU with many small cubes; longer rows give each unit several groups.
+/// As few groups per unit as the row allows (one up to 1024 groups), in a cube of whole
+/// warps just large enough: measured on the H200 (`slidesparse-bench quant`), each further
+/// group per unit costs more than a larger cube, since a unit handles its groups one after
+/// the other.
 pub fn grouped_layout(k: usize, n: u32, elem_bytes: usize) -> Option<(u32, usize)> {
     let vector = 16 / elem_bytes;
     let in_len = group_input_len(n);
     if !k.is_multiple_of(vector) || !in_len.is_multiple_of(vector) {
         return None;
     }
-    let in_vectors = in_len / vector;
     let groups = k.div_ceil(in_len);
-    let mut units = groups.next_power_of_two().clamp(32, 256);
-    if groups.div_ceil(units) * in_vectors > MAX_HELD_VECTORS {
-        units = (groups * in_vectors)
-            .div_ceil(MAX_HELD_VECTORS)
-            .next_power_of_two()
-            .min(1024);
+    let per_unit = groups.div_ceil(MAX_UNITS);
+    let units = groups.div_ceil(per_unit).next_multiple_of(32);
+    (per_unit * in_len / vector <= MAX_HELD_VECTORS).then_some((units as u32, per_unit))
+}
+
+/// Groups per unit for rows of `k` elements in cubes of `units` units (a power of two from 32
+/// to 1024), or `None` where the row is not whole 16-byte vectors or needs more than
+/// [`MAX_HELD_VECTORS`] per unit: a layout other than [`grouped_layout`]'s, for benchmarks.
+pub fn grouped_layout_with_units(k: usize, n: u32, elem_bytes: usize, units: u32) -> Option<usize> {
+    let vector = 16 / elem_bytes;
+    let in_len = group_input_len(n);
+    if !units.is_power_of_two()
+        || !(32..=1024).contains(&units)
+        || !k.is_multiple_of(vector)
+        || !in_len.is_multiple_of(vector)
+    {
+        return None;
     }
-    let per_unit = groups.div_ceil(units);
-    (per_unit * in_vectors <= MAX_HELD_VECTORS).then_some((units as u32, per_unit))
+    let per_unit = k.div_ceil(in_len).div_ceil(units as usize);
+    (per_unit * in_len / vector <= MAX_HELD_VECTORS).then_some(per_unit)
 }
 
 #[cfg(test)]
@@ -88,7 +103,7 @@ mod tests {
                         continue;
                     };
                     let in_vectors = group_input_len(n) * elem_bytes / 16;
-                    assert!(units.is_power_of_two() && (32..=1024).contains(&units));
+                    assert!(units.is_multiple_of(32) && (32..=1024).contains(&units));
                     assert!(
                         units as usize * per_unit * group_input_len(n) >= k,
                         "k = {k}"
@@ -103,6 +118,22 @@ mod tests {
                 assert!(grouped_layout(k, n, 2).is_some(), "bf16 k = {k}, n = {n}");
             }
         }
+        assert_eq!(grouped_layout_with_units(4096, 4, 2, 128), Some(1));
+        assert_eq!(grouped_layout_with_units(14_336, 4, 2, 128), Some(4));
+        assert_eq!(
+            grouped_layout_with_units(14_336, 4, 2, 64),
+            None,
+            "32 vectors per unit"
+        );
+        assert_eq!(
+            grouped_layout_with_units(4096, 4, 2, 96),
+            None,
+            "not a power of two"
+        );
+        // One group per unit, whole warps: 6:8 bf16 rows have K / 32 groups.
+        assert_eq!(grouped_layout(4096, 4, 2), Some((128, 1)));
+        assert_eq!(grouped_layout(18_944, 4, 2), Some((608, 1)));
+        assert_eq!(grouped_layout(18_944, 0, 2), Some((608, 2)));
         assert_eq!(
             grouped_layout(4098, 4, 2),
             None,

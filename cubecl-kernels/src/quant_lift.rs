@@ -21,7 +21,10 @@ use cubecl::prelude::*;
 
 use crate::{
     grouping::{group_input_len, group_output_len, group_source},
-    rounding::HALF_INTEGER_GUARD,
+    rounding::{
+        E4M3_REBIAS, FP8_MAX, FP8_MIDPOINT_GUARD, FP8_MIN_NORMAL, HALF_INTEGER_GUARD,
+        ROUNDING_MAGIC, ROUNDING_MAGIC_BITS,
+    },
 };
 
 /// Units per cube (8 warps): one row of up to a few thousand windows per cube.
@@ -30,31 +33,36 @@ pub const QUANT_CUBE_DIM: u32 = 256;
 pub const ACTIVATION_EPS: f32 = 1e-12;
 
 /// Block-wide maxima of two f32 per unit (absmax and the non-finite flag), through plane
-/// reductions and one shared-memory exchange. Also a barrier: shared memory written before it
-/// is visible to every unit after it.
+/// reductions and one shared-memory exchange in buffer `slot` (0 or 1). Also a barrier:
+/// shared memory written before it is visible to every unit after it. A cube that reduces
+/// row after row alternates the slot, so that no unit overwrites partial maxima another
+/// unit has yet to read (it would have to pass the next reduction's barrier first).
 #[cube]
-fn cube_max_pair(a: f32, b: f32) -> Vector<f32, Const<2>> {
-    let mut shared = SharedMemory::<f32>::new(64usize);
+fn cube_max_pair(a: f32, b: f32, slot: usize) -> Vector<f32, Const<2>> {
+    let mut shared = SharedMemory::<f32>::new(128usize);
+    let base = slot * 64;
     let plane_a = plane_max(a);
     let plane_b = plane_max(b);
     let planes = CUBE_DIM / PLANE_DIM;
     if UNIT_POS_PLANE == 0 {
         let plane = (UNIT_POS / PLANE_DIM) as usize;
-        shared[plane] = plane_a;
-        shared[32 + plane] = plane_b;
+        shared[base + plane] = plane_a;
+        shared[base + 32 + plane] = plane_b;
     }
     sync_cube();
     let mut result = Vector::<f32, Const<2>>::empty();
     result[0] = 0.0f32;
     result[1] = 0.0f32;
     for i in 0..planes {
-        result[0] = f32::max(result[0], shared[i as usize]);
-        result[1] = f32::max(result[1], shared[32 + i as usize]);
+        result[0] = f32::max(result[0], shared[base + i as usize]);
+        result[1] = f32::max(result[1], shared[base + 32 + i as usize]);
     }
     result
 }
 
-/// Absmax of the finite lanes of `v`, and 1 if any lane is NaN or ±Inf (else 0).
+/// Absmax of the lanes of `v` (±Inf included, NaN ignored: `max` returns the other operand)
+/// and 1 if any lane is NaN (else 0). Branch-free: a compare and a select per lane; an
+/// infinite lane shows as an infinite absmax ([`non_finite`]).
 #[cube]
 fn vector_absmax_and_flag<F: Float, V: Size>(v: Vector<F, V>) -> Vector<f32, Const<2>> {
     let mut result = Vector::<f32, Const<2>>::empty();
@@ -63,13 +71,16 @@ fn vector_absmax_and_flag<F: Float, V: Size>(v: Vector<F, V>) -> Vector<f32, Con
     #[unroll]
     for l in 0..v.size() {
         let f = f32::cast_from(v[l]);
-        if f.is_nan() || f.is_inf() {
-            result[1] = 1.0;
-        } else {
-            result[0] = f32::max(result[0], f32::abs(f));
-        }
+        result[0] = f32::max(result[0], f32::abs(f));
+        result[1] = select(f.is_nan(), 1.0f32, result[1]);
     }
     result
+}
+
+/// 1 if the row's reduced `[absmax, NaN flag]` says it holds NaN or ±Inf, else 0.
+#[cube]
+fn non_finite(reduced: Vector<f32, Const<2>>) -> f32 {
+    select(reduced[1] > 0.0 || reduced[0].is_inf(), 1.0f32, 0.0f32)
 }
 
 /// The row's scale from its reduced absmax and non-finite flag: `max(amax, eps) / qmax` for a
@@ -104,29 +115,73 @@ pub enum LiftMode {
     Float,
 }
 
-/// INT8 code (as an f32) of `x / scale`, bit-identical to `clamp(rint(x / scale), ±127)` (the
-/// spec and the reference path) but with a multiplication by `inv_scale = fl(1 / scale)` in
-/// place of the per-element division, which is only taken near a rounding boundary. Same
-/// operations as the host mirror [`crate::rounding::int8_code`], where the argument and the
-/// tests are.
+/// Bits of an f32 whose low byte is the INT8 code of `x / scale`, bit-identical to the spec's
+/// `clamp(round_half_even(x / s), ±127)`: `x * inv_scale` (`inv_scale = fl(1 / scale)`)
+/// rounded by adding `1.5 * 2^23` (the f32 addition rounds to an integer, half to even, and
+/// leaves it in the low bits as two's complement), with the true division only where the
+/// product lies within the guard of a half-integer. No clamp: quotients of a row are within
+/// `127 (1 + 2^-22)` and round to at most 127. Same operations as the host mirror
+/// [`crate::rounding::int8_code`], where the argument and the tests are.
 #[cube]
-fn int8_code(x: f32, scale: f32, inv_scale: f32) -> f32 {
-    let mut y = x * inv_scale;
-    let a = f32::abs(y);
-    if f32::abs(a - f32::floor(a) - 0.5) < HALF_INTEGER_GUARD {
-        y = x / scale;
+fn int8_code_bits(x: f32, scale: f32, inv_scale: f32) -> u32 {
+    let y = x * inv_scale;
+    let t = y + ROUNDING_MAGIC;
+    let d = y - (t - ROUNDING_MAGIC);
+    let mut bits = u32::reinterpret(t);
+    if f32::abs(d) > 0.5 - HALF_INTEGER_GUARD {
+        bits = u32::reinterpret(x / scale + ROUNDING_MAGIC);
     }
-    f32::clamp(f32::round(y), -127.0, 127.0)
+    bits
 }
 
-/// Quantizes `x / scale` to the output type: INT8 through [`int8_code`], FP8 (clamped to ±448
-/// first, which equals saturation) by a true division so that the codes match the reference
-/// path, or a plain cast for float modes.
+/// The f32 quotient converted to FP8 for `x / scale`, clamped to ±448 (which equals
+/// saturation): `x * inv_scale`, or the true division within the guard of an E4M3 rounding
+/// midpoint, so that its E4M3 rounding is the spec's. Same operations as the host mirror
+/// [`crate::rounding::fp8_quotient`], where the argument and the tests are.
+#[cube]
+fn fp8_quotient(x: f32, scale: f32, inv_scale: f32) -> f32 {
+    let mut y = f32::clamp(x * inv_scale, -FP8_MAX, FP8_MAX);
+    let a = f32::abs(y);
+    // Subnormal binade: quanta of 2^-9, the half-integer test on `512 |y|`.
+    let t = a * 512.0;
+    let near_subnormal = f32::abs(t - f32::floor(t) - 0.5) < HALF_INTEGER_GUARD;
+    // Normal binades: the significand's low 20 bits next to a midpoint's `0x80000`.
+    let low = u32::reinterpret(a) & 0xF_FFFFu32;
+    let near_normal =
+        low + FP8_MIDPOINT_GUARD >= 0x8_0000u32 && low <= 0x8_0000u32 + FP8_MIDPOINT_GUARD;
+    let near = (a < FP8_MIN_NORMAL && near_subnormal) || (a >= FP8_MIN_NORMAL && near_normal);
+    if near {
+        y = f32::clamp(x / scale, -FP8_MAX, FP8_MAX);
+    }
+    y
+}
+
+/// E4M3 code (low byte) of `y`, `|y| <= 448`, rounded to nearest even: integer arithmetic on
+/// the f32 bits. CubeCL 0.10 casts to FP8 through `__nv_cvt_float_to_fp8(.., __NV_NOSAT, ..)`,
+/// which CUDA emulates in software (only the saturating form maps to the hardware `cvt`).
+/// Same operations as the host mirror [`crate::rounding::e4m3_bits`].
+#[cube]
+fn e4m3_bits(y: f32) -> u32 {
+    let a = f32::min(f32::abs(y), FP8_MAX);
+    let bits = u32::reinterpret(a);
+    // Normal: drop 20 significand bits with round-half-even, rebias the exponent (127 -> 7).
+    let normal = ((bits + 0x7_FFFFu32 + ((bits >> 20) & 1u32)) >> 20) - E4M3_REBIAS;
+    // Subnormal: quanta of 2^-9, rounded by the magic addition.
+    let subnormal = u32::reinterpret(a * 512.0 + ROUNDING_MAGIC) - ROUNDING_MAGIC_BITS;
+    let code = select(a < FP8_MIN_NORMAL, subnormal, normal);
+    code | ((u32::reinterpret(y) >> 24) & 0x80u32)
+}
+
+/// Quantizes `x / scale` to the output type: INT8 through [`int8_code_bits`], FP8 through
+/// [`fp8_quotient`] and [`e4m3_bits`] (both bit-identical to the spec's division), or a
+/// plain cast for float modes.
 #[cube]
 fn quantize<Q: Scalar>(x: f32, scale: f32, inv_scale: f32, #[comptime] mode: LiftMode) -> Q {
     match comptime!(mode) {
-        LiftMode::Int8 => Q::cast_from(i32::cast_from(int8_code(x, scale, inv_scale))),
-        LiftMode::Fp8 => Q::cast_from(f32::clamp(x / scale, -448.0, 448.0)),
+        LiftMode::Int8 => Q::reinterpret(u8::cast_from(int8_code_bits(x, scale, inv_scale))),
+        LiftMode::Fp8 => {
+            Q::reinterpret(u8::cast_from(e4m3_bits(fp8_quotient(x, scale, inv_scale))))
+        }
         LiftMode::Float => Q::cast_from(x),
     }
 }
@@ -196,11 +251,12 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
         }
     }
     // Also the barrier that makes the staged row visible to every unit.
-    let reduced = cube_max_pair(amax, bad);
+    let reduced = cube_max_pair(amax, bad, 0);
     // Rows that write real values: padding rows and (8-bit modes) rows holding NaN/Inf
     // write zeros. Float modes pass non-finite values through (IEEE semantics).
-    let row_ok = real_row && (reduced[1] == 0.0 || !quantized);
-    let scale = row_scale(reduced[0], reduced[1], real_row, nan, mode);
+    let bad = non_finite(reduced);
+    let row_ok = real_row && (bad == 0.0 || !quantized);
+    let scale = row_scale(reduced[0], bad, real_row, nan, mode);
     let mut divisor = 1.0f32;
     if row_ok {
         divisor = scale;
@@ -251,13 +307,18 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
 /// [`quant_lift_kernel`], other layout of the work.
 ///
 /// The row is cut into groups of four pattern blocks ([`group_input_len`] inputs ->
-/// [`group_output_len`] outputs, both whole vectors; `crate::grouping`). Each unit of the row's cube owns
-/// `groups_per_unit` groups and keeps their input in registers:
+/// [`group_output_len`] outputs, both whole vectors; `crate::grouping`). Each unit of a cube
+/// owns `groups_per_unit` groups of a row and keeps their input in registers:
 /// 1. load the groups' input vectors (16-byte loads; vectors past `K` are zeros) and reduce
 ///    the absmax;
 /// 2. quantize each input element once (not once per lifted copy), then assemble the output
 ///    vectors by a lift map that is a compile-time constant within a group: no index
 ///    arithmetic, no shared memory, 16-byte stores.
+///
+/// A cube handles rows `CUBE_POS`, `CUBE_POS + CUBE_COUNT`, ... and loads the next row's
+/// groups before it reduces, quantizes and stores the current one, so that its loads stay in
+/// flight across the barrier and the stores (with one cube per row, each cube's load latency
+/// is exposed once per row).
 ///
 /// Output vectors past the last group's (the `K'` alignment tail) are written as zeros. The
 /// host guarantees `K % VI == 0`, `K' % VO == 0` and `groups_per_unit * CUBE_DIM` groups
@@ -268,30 +329,111 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     out: &mut Array<Vector<Q, VO>>,
     scales: &mut Array<f32>,
     m: u32,
+    m_pad: u32,
     k: u32,
     k_prime: u32,
     nan: f32,
     #[comptime] n: u32,
     #[comptime] mode: LiftMode,
-    #[comptime] groups_per_unit: usize,
+    #[comptime] layout: GroupedLayout,
     #[define(F)] _input_type: StorageType,
 ) {
     let vi = x.vector_size().comptime();
-    let vo = out.vector_size().comptime();
-    let in_len = comptime!(group_input_len(n));
     let in_vectors = comptime!(group_input_len(n) / vi);
-    let out_vectors = comptime!(group_output_len(n) / vo);
-    let quantized = comptime!(mode != LiftMode::Float);
-    let row = CUBE_POS;
-    let real_row = row < m as usize;
+    let held_len = comptime!(layout.groups_per_unit * group_input_len(n) / vi);
     let row_in_vectors = (k as usize) / vi;
-    let row_out_vectors = (k_prime as usize) / vo;
-    let groups = (k as usize).div_ceil(in_len);
-    let mut held = Array::<Vector<F, VI>>::new(comptime!(groups_per_unit * in_vectors));
+    let mut row = CUBE_POS;
+    let mut held = Array::<Vector<F, VI>>::new(held_len);
+    let mut ahead =
+        Array::<Vector<F, VI>>::new(comptime!(if layout.prefetch { held_len } else { 1 }));
+    if comptime!(layout.prefetch) {
+        load_groups(
+            x,
+            &mut held,
+            row,
+            m,
+            row_in_vectors,
+            layout.groups_per_unit,
+            in_vectors,
+        );
+    }
+    let mut slot = 0usize;
+    while row < m_pad as usize {
+        let next = row + CUBE_COUNT;
+        if comptime!(layout.prefetch) {
+            load_groups(
+                x,
+                &mut ahead,
+                next,
+                m,
+                row_in_vectors,
+                layout.groups_per_unit,
+                in_vectors,
+            );
+        } else {
+            load_groups(
+                x,
+                &mut held,
+                row,
+                m,
+                row_in_vectors,
+                layout.groups_per_unit,
+                in_vectors,
+            );
+        }
+        quantize_lift_row(
+            &held,
+            out,
+            scales,
+            row,
+            row < m as usize,
+            k,
+            k_prime,
+            nan,
+            slot,
+            n,
+            mode,
+            layout,
+        );
+        if comptime!(layout.prefetch) {
+            #[unroll]
+            for i in 0..held_len {
+                held[i] = ahead[i];
+            }
+        }
+        row = next;
+        slot = 1 - slot;
+    }
+}
 
-    // Pass 1: the unit's groups into registers; absmax and non-finite flag.
-    let mut amax = 0.0f32;
-    let mut bad = 0.0f32;
+/// How [`quant_lift_grouped_kernel`] lays out its work (compile-time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GroupedLayout {
+    /// Units per cube (the launch's cube size).
+    pub units: usize,
+    /// Groups of four pattern blocks each unit holds per row.
+    pub groups_per_unit: usize,
+    /// Load the cube's next row into a second set of registers before quantizing the
+    /// current one (for cubes that handle several rows).
+    pub prefetch: bool,
+    /// Store through shared memory, one warp's lifted vectors at a time, so that each store
+    /// instruction writes 32 consecutive 16-byte vectors (whole sectors) instead of one
+    /// vector per group at a group's stride.
+    pub staged_stores: bool,
+}
+
+/// One row's groups of this unit into `held` (zeros past `K` and for rows `>= m`).
+#[cube]
+fn load_groups<F: Float, VI: Size>(
+    x: &Array<Vector<F, VI>>,
+    held: &mut Array<Vector<F, VI>>,
+    row: usize,
+    m: u32,
+    row_in_vectors: usize,
+    #[comptime] groups_per_unit: usize,
+    #[comptime] in_vectors: usize,
+) {
+    let real_row = row < m as usize;
     #[unroll]
     for g in 0..groups_per_unit {
         let group = UNIT_POS as usize + g * CUBE_DIM as usize;
@@ -302,15 +444,52 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
             if real_row && index < row_in_vectors {
                 value = x[row * row_in_vectors + index];
             }
-            let found = vector_absmax_and_flag(value);
-            amax = f32::max(amax, found[0]);
-            bad = f32::max(bad, found[1]);
             held[g * in_vectors + v] = value;
         }
     }
-    let reduced = cube_max_pair(amax, bad);
-    let row_ok = real_row && (reduced[1] == 0.0 || !quantized);
-    let scale = row_scale(reduced[0], reduced[1], real_row, nan, mode);
+}
+
+/// The row's scale from the groups the units hold (one block reduction), then its codes:
+/// each input quantized once, outputs gathered by the group's compile-time lift map, and the
+/// `K'` alignment tail as zeros.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
+    held: &Array<Vector<F, VI>>,
+    out: &mut Array<Vector<Q, VO>>,
+    scales: &mut Array<f32>,
+    row: usize,
+    real_row: bool,
+    k: u32,
+    k_prime: u32,
+    nan: f32,
+    slot: usize,
+    #[comptime] n: u32,
+    #[comptime] mode: LiftMode,
+    #[comptime] layout: GroupedLayout,
+) {
+    let groups_per_unit = comptime!(layout.groups_per_unit);
+    let vi = VI::value().comptime();
+    let vo = out.vector_size().comptime();
+    let in_len = comptime!(group_input_len(n));
+    let in_vectors = comptime!(group_input_len(n) / vi);
+    let out_vectors = comptime!(group_output_len(n) / vo);
+    let quantized = comptime!(mode != LiftMode::Float);
+    let row_out_vectors = (k_prime as usize) / vo;
+    let groups = (k as usize).div_ceil(in_len);
+
+    let mut amax = 0.0f32;
+    let mut bad = 0.0f32;
+    #[unroll]
+    for i in 0..comptime!(groups_per_unit * in_vectors) {
+        let found = vector_absmax_and_flag(held[i]);
+        amax = f32::max(amax, found[0]);
+        bad = f32::max(bad, found[1]);
+    }
+    let reduced = cube_max_pair(amax, bad, slot);
+    let bad = non_finite(reduced);
+    let row_ok = real_row && (bad == 0.0 || !quantized);
+    let scale = row_scale(reduced[0], bad, real_row, nan, mode);
     let mut divisor = 1.0f32;
     if row_ok {
         divisor = scale;
@@ -320,10 +499,18 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
         scales[row] = scale;
     }
 
-    // Pass 2: each input quantized once, outputs gathered by a compile-time map.
+    let mut stage = SharedMemory::<Vector<Q, VO>>::new(comptime!(if layout.staged_stores {
+        layout.units * group_output_len(n) / vo
+    } else {
+        1
+    }));
     #[unroll]
     for g in 0..groups_per_unit {
         let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+        if comptime!(layout.staged_stores) {
+            // The warp's previous reads of the stage are done before it is overwritten.
+            sync_plane();
+        }
         if group < groups {
             let mut codes = Array::<Q>::new(in_len);
             #[unroll]
@@ -336,14 +523,34 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
             }
             #[unroll]
             for ov in 0..out_vectors {
-                let j = group * out_vectors + ov;
-                if j < row_out_vectors {
-                    let mut lifted = Vector::<Q, VO>::empty();
-                    #[unroll]
-                    for l in 0..vo {
-                        lifted[l] = codes[comptime!(group_source(ov * vo + l, n))];
+                let mut lifted = Vector::<Q, VO>::empty();
+                #[unroll]
+                for l in 0..vo {
+                    lifted[l] = codes[comptime!(group_source(ov * vo + l, n))];
+                }
+                if comptime!(layout.staged_stores) {
+                    stage[UNIT_POS as usize * out_vectors + ov] = lifted;
+                } else {
+                    let j = group * out_vectors + ov;
+                    if j < row_out_vectors {
+                        out[row * row_out_vectors + j] = lifted;
                     }
-                    out[row * row_out_vectors + j] = lifted;
+                }
+            }
+        }
+        if comptime!(layout.staged_stores) {
+            // The warp's groups are consecutive, and so are their outputs: lane `l` stores
+            // the warp's output vectors `l`, `l + 32`, ...
+            sync_plane();
+            let first_unit = (UNIT_POS / PLANE_DIM * PLANE_DIM) as usize;
+            let first_out = (first_unit + g * CUBE_DIM as usize) * out_vectors;
+            let end = usize::min(groups * out_vectors, row_out_vectors);
+            #[unroll]
+            for i in 0..out_vectors {
+                let local = UNIT_POS_PLANE as usize + i * PLANE_DIM as usize;
+                let j = first_out + local;
+                if j < end {
+                    out[row * row_out_vectors + j] = stage[first_unit * out_vectors + local];
                 }
             }
         }
