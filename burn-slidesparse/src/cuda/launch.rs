@@ -8,9 +8,10 @@ use cubecl::{
 };
 use cubecl_kernels::{
     epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
-    grouping::grouped_layout,
+    grouping::{group_output_len, grouped_layout, grouped_layout_with_units},
     quant_lift::{
-        LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, quant_lift_grouped_kernel, quant_lift_kernel,
+        GroupedLayout, LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, quant_lift_grouped_kernel,
+        quant_lift_kernel,
     },
 };
 use half::{bf16, f16};
@@ -19,7 +20,10 @@ use super::{
     accumulator::{AccType, Accumulator},
     backend::Runtime,
 };
-use crate::{error::Result, quant::Precision};
+use crate::{
+    error::{Result, SlideSparseError},
+    quant::Precision,
+};
 
 type Client = ComputeClient<Runtime>;
 
@@ -86,6 +90,79 @@ pub enum QuantKernel {
     Auto,
     /// Always the row-staged kernel: for tests and benchmarks that compare the two.
     RowStaged,
+    /// The grouped kernel with an explicit layout: `units` per cube (`None`: the default for
+    /// the row), `rows_per_cube` rows per cube, whether a cube loads its next row ahead, and
+    /// whether stores go through shared memory ([`GroupedLayout`]). Fails where the row does
+    /// not allow it.
+    Grouped {
+        units: Option<u32>,
+        rows_per_cube: usize,
+        prefetch: bool,
+        staged_stores: bool,
+    },
+}
+
+/// Rows each cube of the grouped kernel handles by default: one. Loading the next row ahead
+/// (several rows per cube) measured no faster on the H200 and needs twice the registers.
+pub const ROWS_PER_CUBE: usize = 1;
+/// Shared memory the grouped kernel may stage one round of stores in (bytes).
+const STAGED_STORE_BYTES: usize = 24 * 1024;
+/// Cube size from which the forward stages INT8 lifted stores in shared memory: measured on
+/// the H200 7% faster for the long rows (cubes of 448-608 units), 7% slower for the short
+/// ones (128 units), and no faster for FP8 (more arithmetic per byte) or without a lift (a
+/// group's output is one vector, consecutive groups' stores are already whole sectors).
+const STAGED_STORE_MIN_UNITS: u32 = 256;
+
+/// The grouped kernel's layout and rows per cube for this launch, or `None` for the
+/// row-staged kernel.
+fn grouped_choice(
+    kernel: QuantKernel,
+    k: usize,
+    n: u32,
+    mode: LiftMode,
+    input_bytes: usize,
+) -> Result<Option<(GroupedLayout, usize)>> {
+    let stage_bytes = |units: u32| units as usize * group_output_len(n);
+    Ok(match kernel {
+        QuantKernel::RowStaged => None,
+        QuantKernel::Auto => grouped_layout(k, n, input_bytes).map(|(units, per_unit)| {
+            let layout = GroupedLayout {
+                units: units as usize,
+                groups_per_unit: per_unit,
+                prefetch: false,
+                staged_stores: mode == LiftMode::Int8
+                    && n > 0
+                    && units >= STAGED_STORE_MIN_UNITS
+                    && stage_bytes(units) <= STAGED_STORE_BYTES,
+            };
+            (layout, ROWS_PER_CUBE)
+        }),
+        QuantKernel::Grouped {
+            units,
+            rows_per_cube,
+            prefetch,
+            staged_stores,
+        } => {
+            let layout = match units {
+                None => grouped_layout(k, n, input_bytes),
+                Some(u) => grouped_layout_with_units(k, n, input_bytes, u).map(|p| (u, p)),
+            };
+            let Some((units, per_unit)) = layout.filter(|&(u, _)| {
+                rows_per_cube >= 1 && (!staged_stores || stage_bytes(u) <= STAGED_STORE_BYTES)
+            }) else {
+                return Err(SlideSparseError::Backend(format!(
+                    "the grouped quant kernel cannot take K = {k} (n = {n}) with {units:?} units, {rows_per_cube} rows per cube, staged stores {staged_stores}"
+                )));
+            };
+            let layout = GroupedLayout {
+                units: units as usize,
+                groups_per_unit: per_unit,
+                prefetch,
+                staged_stores,
+            };
+            Some((layout, rows_per_cube))
+        }
+    })
 }
 
 /// [`launch_quant_lift`] with the kernel choice made explicit.
@@ -105,7 +182,6 @@ pub fn launch_quant_lift_with(
     let mode = lift_mode(precision);
     let elem = precision.element_bytes();
     let addr = address_type((m_pad * k_out * elem.max(4)).max(m * k * input_bytes));
-    let count = CubeCount::Static(m_pad as u32, 1, 1);
     debug_assert!(k_out.is_multiple_of(4), "k_out = {k_out}");
     // 16-byte stores where the row allows, else one 2:4 window per store.
     let vo = if k_out.is_multiple_of(16 / elem) {
@@ -113,10 +189,9 @@ pub fn launch_quant_lift_with(
     } else {
         4
     };
-    let grouped = grouped_layout(k, n, input_bytes)
-        .filter(|_| vo == 16 / elem && kernel == QuantKernel::Auto);
+    let grouped = grouped_choice(kernel, k, n, mode, input_bytes)?.filter(|_| vo == 16 / elem);
     let (vi, dim, staged) = match grouped {
-        Some((units, _)) => (16 / input_bytes, CubeDim::new_1d(units), 0),
+        Some((layout, _)) => (16 / input_bytes, CubeDim::new_1d(layout.units as u32), 0),
         None => {
             // Round the staged length so that layers of similar width share one kernel.
             let staged_len = k.next_multiple_of(1024);
@@ -133,6 +208,10 @@ pub fn launch_quant_lift_with(
             (vi, CubeDim::new_1d(QUANT_CUBE_DIM), staged)
         }
     };
+    let count = match grouped {
+        Some((_, rows_per_cube)) => CubeCount::Static(m_pad.div_ceil(rows_per_cube) as u32, 1, 1),
+        None => CubeCount::Static(m_pad as u32, 1, 1),
+    };
     let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
     // SAFETY: buffer sizes match the lengths given; the kernels bound every access by them.
     unsafe {
@@ -142,7 +221,7 @@ pub fn launch_quant_lift_with(
         macro_rules! go {
             ($q:ty) => {
                 match grouped {
-                    Some((_, per_unit)) => {
+                    Some((layout, _)) => {
                         quant_lift_grouped_kernel::launch_unchecked::<$q, Runtime>(
                             client,
                             count,
@@ -154,12 +233,13 @@ pub fn launch_quant_lift_with(
                             out,
                             s,
                             scalars.0,
+                            m_pad as u32,
                             scalars.1,
                             scalars.3,
                             f32::NAN,
                             n,
                             mode,
-                            per_unit,
+                            layout,
                             input.into(),
                         )
                     }
