@@ -199,10 +199,20 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
     let xf: Vec<F> = x.iter().map(|&v| F::from_elem(v)).collect();
     let x: Vec<f32> = xf.iter().map(|v| v.elem::<f32>()).collect();
     let xh = client.create_from_slice(F::as_bytes(&xf));
-    for kernel in [QuantKernel::Auto, QuantKernel::RowStaged] {
+    // Besides the forward's choice (one row per cube, INT8 lifted stores staged in shared
+    // memory for long rows): a grouped layout whose cubes take 3 rows each (not dividing
+    // `m_pad`: the last cube stops early), load the next row ahead and always stage their
+    // stores; it refuses rows it cannot take.
+    let several_rows = QuantKernel::Grouped {
+        units: None,
+        rows_per_cube: 3,
+        prefetch: true,
+        staged_stores: true,
+    };
+    for kernel in [QuantKernel::Auto, QuantKernel::RowStaged, several_rows] {
         let codes = client.empty(m_pad * k_out);
         let scales = client.empty(m_pad * 4);
-        launch_quant_lift_with(
+        let launched = launch_quant_lift_with(
             kernel,
             client,
             &xh,
@@ -212,8 +222,11 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
             n,
             precision,
             F::dtype(),
-        )
-        .unwrap();
+        );
+        if matches!(kernel, QuantKernel::Grouped { .. }) && launched.is_err() {
+            continue;
+        }
+        launched.unwrap();
         let got = client.read_one(codes).unwrap().to_vec();
         let got_scales: Vec<f32> = client
             .read_one(scales)
@@ -281,8 +294,9 @@ fn check_codes(
 /// pattern, f32 and bf16 input, K of every divisibility (vector widths 8/4/2/1), the grouped
 /// kernel with one to several groups per unit and cubes up to 1024 units (K up to 65536),
 /// the row-staged kernel with rows staged in shared memory and read from global memory
-/// twice, the plain quantization of the dense baseline, and INT8 quotients on and next to
-/// every rounding boundary (where the kernels' multiplication falls back to a division).
+/// twice, the plain quantization of the dense baseline, and INT8 and FP8 quotients on and
+/// next to every rounding boundary (where the kernels' multiplication falls back to a
+/// division).
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn quant_lift_kernel_is_bit_exact() {
@@ -308,7 +322,41 @@ fn quant_lift_kernel_is_bit_exact() {
         let k = 4096;
         let x = next_to_rounding_boundaries(&mut rng, k);
         check_quant_lift::<f32>(&client, &x, (x.len() / k, k), pattern, Precision::Int8);
+        let x = next_to_fp8_midpoints(&mut rng, k);
+        check_quant_lift::<f32>(&client, &x, (x.len() / k, k), pattern, Precision::Fp8);
     }
+}
+
+/// Rows whose quotients `x / s` lie on and next to E4M3 rounding midpoints (both signs, the
+/// subnormal ones included), where rounding a multiplication by `1 / s` could differ from
+/// the spec's division: each row holds its absmax and the 16 f32 values around each
+/// midpoint times a random scale.
+fn next_to_fp8_midpoints(rng: &mut impl rand::Rng, k: usize) -> Vec<f32> {
+    use burn_slidesparse::fp8::e4m3_to_f32;
+    let mut magnitudes: Vec<f32> = (0u8..0x7F).map(e4m3_to_f32).collect();
+    magnitudes.sort_by(f32::total_cmp);
+    let midpoints: Vec<f32> = magnitudes.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+    let mut x = Vec::new();
+    for _ in 0..4 {
+        let absmax: f32 = rng.random_range(0.01..100.0);
+        let scale = absmax / 448.0;
+        let mut row = vec![absmax];
+        let mut i = 0usize;
+        while row.len() < k {
+            let sign = if (i / midpoints.len()) % 2 == 0 {
+                1.0
+            } else {
+                -1.0
+            };
+            let center = sign * midpoints[i % midpoints.len()] * scale;
+            let first = f32::from_bits(center.to_bits().saturating_sub(8));
+            row.extend((0..16).map(|u| f32::from_bits(first.to_bits() + u)));
+            i += 1;
+        }
+        row.truncate(k);
+        x.extend(row);
+    }
+    x
 }
 
 /// Rows whose quotients `x / s` lie on and next to half-integers, where rounding by a

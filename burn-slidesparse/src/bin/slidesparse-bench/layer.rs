@@ -38,9 +38,9 @@ use rayon::prelude::*;
 use super::{Args, model_shapes, parse_list, rotation, sweep};
 
 /// Activations in bf16, as in LLM inference (and in the anchor's sparse GEMM outputs).
-type Gpu = CubeBackend<CudaRuntime, bf16, i32, u8>;
+pub(crate) type Gpu = CubeBackend<CudaRuntime, bf16, i32, u8>;
 /// Bytes of one activation element.
-const ACT_BYTES: usize = 2;
+pub(crate) const ACT_BYTES: usize = 2;
 /// One SlideSparse layer per pattern.
 type SparseVariants = Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>;
 
@@ -80,7 +80,7 @@ fn median_ms<B: Backend>(
 /// Median device milliseconds of the kernels `f(i)` launches, timed by cubecl's profiler
 /// (CUDA events on burn's stream around each call): no launch or synchronization overhead,
 /// which matters for the stages alone (tens of microseconds).
-fn device_median_ms(
+pub(crate) fn device_median_ms(
     client: &cubecl::client::ComputeClient<CudaRuntime>,
     warmup: usize,
     reps: usize,
@@ -105,7 +105,7 @@ fn device_median_ms(
 
 /// Device-to-device copy bandwidth (bytes read + written per second), through burn, timed
 /// on the device like the stages.
-fn copy_bandwidth(
+pub(crate) fn copy_bandwidth(
     client: &cubecl::client::ComputeClient<CudaRuntime>,
     device: &burn::tensor::Device<Gpu>,
 ) -> f64 {

@@ -25,10 +25,13 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
 mod layer;
+mod quant;
 
 #[derive(Parser)]
 struct Args {
-    /// `gemm` (GEMM only, sparse vs dense) or `layer` (whole layers and their stages).
+    /// `gemm` (GEMM only, sparse vs dense), `layer` (whole layers and their stages) or
+    /// `quant` (the quant+lift kernel's layouts alone, each checked against the row-staged
+    /// kernel's codes).
     mode: String,
     #[arg(long, default_value = "16,256,1024,4096,16384")]
     m: String,
@@ -48,6 +51,15 @@ struct Args {
     /// SM its spin kernel holds (see docs/benchmarks.md).
     #[arg(long)]
     decode_designs: bool,
+    /// Quant mode: row lengths K to time.
+    #[arg(long, default_value = "3584,4096,14336,18944")]
+    k: String,
+    /// Quant mode: cube sizes of the grouped kernel to try (`default`: the launcher's choice).
+    #[arg(long, default_value = "default")]
+    units: String,
+    /// Quant mode: rows per cube of the grouped kernel to try.
+    #[arg(long, default_value = "1,2,4,8")]
+    rows: String,
 }
 
 /// (name, [(N, K)] of qkv, o, gate_up, down).
@@ -167,7 +179,8 @@ fn main() {
     match args.mode.as_str() {
         "gemm" => gemm_bench(&args),
         "layer" => layer::layer_bench(&args),
-        other => panic!("unknown mode {other}: gemm or layer"),
+        "quant" => quant::quant_bench(&args),
+        other => panic!("unknown mode {other}: gemm, layer or quant"),
     }
 }
 
