@@ -29,17 +29,20 @@ pub fn group_source(o: usize, n: u32) -> usize {
 /// Input vectors a unit of the grouped kernel may hold in registers (16 bytes each).
 pub const MAX_HELD_VECTORS: usize = 16;
 
-/// Most units a cube of the grouped kernel has.
-pub const MAX_UNITS: usize = 1024;
+/// Most units a cube of the grouped kernel's default layout has: larger cubes of this
+/// register-heavy kernel fit once per SM (measured on the H200: K = 14336 without lift in
+/// cubes of 896 units 0.47 ms, of 512 units two groups each 0.31 ms; K = 18944 with the 6:8
+/// lift in cubes of 608 units 0.67 ms, of 256 units three groups each 0.53 ms).
+pub const MAX_UNITS: usize = 512;
 
 /// Cube size (units) and groups per unit for rows of `k` elements of `elem_bytes`, or `None`
 /// where the row is not whole 16-byte vectors or would need more registers than
 /// [`MAX_HELD_VECTORS`] per unit in a cube of [`MAX_UNITS`] (then the row-staged kernel runs).
 ///
-/// As few groups per unit as the row allows (one up to 1024 groups), in a cube of whole
-/// warps just large enough: measured on the H200 (`slidesparse-bench quant`), each further
-/// group per unit costs more than a larger cube, since a unit handles its groups one after
-/// the other.
+/// As few groups per unit as cubes of at most [`MAX_UNITS`] allow, in a cube of whole warps
+/// just large enough: measured on the H200 (`slidesparse-bench quant`), a unit handles its
+/// groups one after the other, so fewer groups per unit are faster as long as the cubes
+/// still fit several times per SM.
 pub fn grouped_layout(k: usize, n: u32, elem_bytes: usize) -> Option<(u32, usize)> {
     let vector = 16 / elem_bytes;
     let in_len = group_input_len(n);
@@ -59,7 +62,7 @@ pub fn grouped_layout_with_units(k: usize, n: u32, elem_bytes: usize, units: u32
     let vector = 16 / elem_bytes;
     let in_len = group_input_len(n);
     if !units.is_power_of_two()
-        || !(32..=1024).contains(&units)
+        || !(32..=MAX_UNITS as u32).contains(&units)
         || !k.is_multiple_of(vector)
         || !in_len.is_multiple_of(vector)
     {
@@ -103,7 +106,7 @@ mod tests {
                         continue;
                     };
                     let in_vectors = group_input_len(n) * elem_bytes / 16;
-                    assert!(units.is_multiple_of(32) && (32..=1024).contains(&units));
+                    assert!(units.is_multiple_of(32) && (32..=MAX_UNITS as u32).contains(&units));
                     assert!(
                         units as usize * per_unit * group_input_len(n) >= k,
                         "k = {k}"
@@ -132,8 +135,10 @@ mod tests {
         );
         // One group per unit, whole warps: 6:8 bf16 rows have K / 32 groups.
         assert_eq!(grouped_layout(4096, 4, 2), Some((128, 1)));
-        assert_eq!(grouped_layout(18_944, 4, 2), Some((608, 1)));
-        assert_eq!(grouped_layout(18_944, 0, 2), Some((608, 2)));
+        assert_eq!(grouped_layout(14_336, 4, 2), Some((448, 1)));
+        assert_eq!(grouped_layout(18_944, 4, 2), Some((320, 2)));
+        assert_eq!(grouped_layout(14_336, 0, 2), Some((448, 2)));
+        assert_eq!(grouped_layout(18_944, 0, 2), Some((416, 3)));
         assert_eq!(
             grouped_layout(4098, 4, 2),
             None,
