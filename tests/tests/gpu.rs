@@ -343,7 +343,7 @@ fn next_to_fp8_midpoints(rng: &mut impl rand::Rng, k: usize) -> Vec<f32> {
         let mut row = vec![absmax];
         let mut i = 0usize;
         while row.len() < k {
-            let sign = if (i / midpoints.len()) % 2 == 0 {
+            let sign = if (i / midpoints.len()).is_multiple_of(2) {
                 1.0
             } else {
                 -1.0

@@ -9,6 +9,9 @@
 //! polling: medians of unrelated variants landed on the same ~0.4 ms.) The stages alone and
 //! the copy are timed on the device (CUDA events through cubecl's profiler). At decode sizes
 //! (M <= 64, INT8) each ordering design is also timed with a sync per call.
+//!
+//! With `--json`, every layer's times are written after each layer (`"complete": false`
+//! until the run ends), so that a run cut short (the GPU host's time limit) keeps them.
 
 use std::{collections::BTreeMap, time::Instant};
 
@@ -131,6 +134,9 @@ pub fn layer_bench(args: &Args) {
     let mut totals: BTreeMap<(String, String, usize), BTreeMap<String, f64>> = BTreeMap::new();
     let mut stages = Vec::new();
     let mut decode = Vec::new();
+    // Every layer's times as measured, written out after each layer (`"complete": false`
+    // until the end), so that a run cut short keeps what it measured.
+    let mut per_layer = Vec::new();
     for model in parse_list(&args.models) {
         for (li, &(n, k)) in model_shapes(&model).iter().enumerate() {
             let w = random_weight(n, k, li as u64 + 1);
@@ -175,6 +181,7 @@ pub fn layer_bench(args: &Args) {
                         let _ = dense.forward(&prims[i % rot]).unwrap();
                     });
                     *entry.entry("dense".into()).or_default() += dense_ms;
+                    let mut layer_ms = serde_json::json!({"burn bf16": bf16_ms, "dense": dense_ms});
                     let mut line = format!(
                         "{model} {n}x{k} {precision} M={m}: bf16 {bf16_ms:.4} dense {dense_ms:.4}"
                     );
@@ -184,6 +191,7 @@ pub fn layer_bench(args: &Args) {
                         });
                         *entry.entry(pattern.to_string()).or_default() += t;
                         line += &format!(" {pattern} {t:.4}");
+                        layer_ms[pattern.to_string()] = t.into();
                         if *pattern == SparsityPattern::P6_8 {
                             stages.push(stage_times(
                                 &client, &prims, *precision, *pattern, n, k, m, args.reps, copy_bw,
@@ -204,21 +212,44 @@ pub fn layer_bench(args: &Args) {
                         ));
                     }
                     eprintln!("[{:>5.0}s] {line}", started.elapsed().as_secs_f64());
+                    per_layer.push(serde_json::json!({
+                        "model": model, "shape": [n, k], "precision": precision.to_string(),
+                        "m": m, "ms": layer_ms,
+                    }));
                 }
+            }
+            if let Some(path) = &args.json {
+                let json = results_json(copy_bw, &per_layer, &stages, &decode, false);
+                std::fs::write(path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
             }
         }
     }
     print_tables(&totals, &patterns, &stages);
     print_ordering(&decode);
     if let Some(path) = &args.json {
-        let json = serde_json::json!({
-            "copy_bandwidth_gbs": copy_bw / 1e9,
-            "layers": totals.iter().map(|((model, p, m), v)| serde_json::json!({"model": model, "precision": p, "m": m, "ms": v})).collect::<Vec<_>>(),
-            "stages": stages,
-            "decode_sync_designs": decode,
-        });
+        let mut json = results_json(copy_bw, &per_layer, &stages, &decode, true);
+        json["layers"] = totals.iter().map(|((model, p, m), v)| serde_json::json!({"model": model, "precision": p, "m": m, "ms": v})).collect();
         std::fs::write(path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
     }
+}
+
+/// The run's measurements as JSON: every layer's times (`per_layer`), the stages alone and
+/// the decode ordering designs; `complete` is false while the run is still going (the sums
+/// per block, `layers`, are only added at the end).
+fn results_json(
+    copy_bw: f64,
+    per_layer: &[serde_json::Value],
+    stages: &[serde_json::Value],
+    decode: &[serde_json::Value],
+    complete: bool,
+) -> serde_json::Value {
+    serde_json::json!({
+        "complete": complete,
+        "copy_bandwidth_gbs": copy_bw / 1e9,
+        "per_layer": per_layer,
+        "stages": stages,
+        "decode_sync_designs": decode,
+    })
 }
 
 /// Median per-forward wall milliseconds of `f` run back to back, `reps` calls per batch with
