@@ -3,7 +3,8 @@
 //!
 //! - [`geometry`]: pattern geometry (`K_pad`, `K_slide`, `K'`) and the lift index map `src(o)`.
 //! - [`grouping`]: how the grouped quant+lift kernel cuts a row (groups, units, registers).
-//! - [`rounding`]: INT8 rounding by a multiplication, bit-identical to the spec's division.
+//! - [`rounding`]: INT8 and FP8 rounding by a multiplication and the integer E4M3 encoder,
+//!   bit-identical to the spec's division (host mirrors of the kernels' arithmetic).
 //! - `quant_lift` (feature `cubecl`): fused per-token quantization + lift, and the plain
 //!   per-token quantization of the dense baseline (the same kernel without the lift).
 //! - `epilogue` (feature `cubecl`): dequantization + bias.

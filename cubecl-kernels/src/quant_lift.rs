@@ -1,17 +1,21 @@
 //! Fused per-token quantization + lift (and its no-lift twin for the dense baseline).
 //!
-//! Two kernels, same contract and same codes; in both one cube handles one token row, first
-//! reducing the row's absmax, then writing whole output vectors of the lifted row (16 codes
-//! = four 2:4 windows in one 16-byte store for 8-bit codes):
+//! Two kernels, same contract and same codes; in both one cube handles a token row at a
+//! time, first reducing the row's absmax, then writing whole output vectors of the lifted
+//! row (16 codes = four 2:4 windows in one 16-byte store for 8-bit codes):
 //! - [`quant_lift_grouped_kernel`] (rows of whole 16-byte vectors, every LLM shape): each unit
 //!   holds groups of four pattern blocks in registers, quantizes each input once and lifts
-//!   through a compile-time map (1.3-1.9x faster on the H200, `docs/benchmarks.md`);
+//!   through a compile-time map; its [`GroupedLayout`] (cube size, rows per cube, next-row
+//!   prefetch, shared-memory-staged stores) is chosen per launch;
 //! - [`quant_lift_kernel`] (any `K`): the row staged in shared memory where it fits, each
 //!   output code gathered through the lift map's index arithmetic.
 //!
 //! Rows `M..M_pad` are written as zeros with scale 1 so that the GEMM can run on the padded
-//! shape. INT8 codes are rounded by a multiplication with an exact division fallback
-//! (`crate::rounding`).
+//! shape. The kernel was instruction-bound (Nsight Compute, `docs/benchmarks.md` section 2),
+//! so the per-element arithmetic is lean: INT8 codes by a multiplication rounded with a
+//! magic-number addition, FP8 codes by a multiplication and an integer E4M3 encoder, each
+//! with an exact division fallback next to a rounding boundary (`crate::rounding`), and a
+//! branch-free absmax.
 //!
 //! Non-finite input (8-bit modes): a row holding NaN or ±Inf gets the scale NaN and all-zero
 //! codes, so the epilogue turns its whole output row into NaN (never a silently finite row).
