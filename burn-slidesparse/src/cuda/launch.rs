@@ -108,7 +108,7 @@ pub const ROWS_PER_CUBE: usize = 1;
 /// Shared memory the grouped kernel may stage one round of stores in (bytes).
 const STAGED_STORE_BYTES: usize = 24 * 1024;
 /// Cube size from which the forward stages INT8 lifted stores in shared memory: measured on
-/// the H200 7% faster for the long rows (cubes of 448-608 units), 7% slower for the short
+/// the H200 7% faster for the long rows (cubes of 256-512 units), 7% slower for the short
 /// ones (128 units), and no faster for FP8 (more arithmetic per byte) or without a lift (a
 /// group's output is one vector, consecutive groups' stores are already whole sectors).
 const STAGED_STORE_MIN_UNITS: u32 = 256;
@@ -189,7 +189,15 @@ pub fn launch_quant_lift_with(
     } else {
         4
     };
-    let grouped = grouped_choice(kernel, k, n, mode, input_bytes)?.filter(|_| vo == 16 / elem);
+    // The grouped kernel writes whole 16-byte vectors: rows of other widths take the
+    // row-staged kernel (an explicit grouped layout is refused instead).
+    let whole_vectors = vo == 16 / elem;
+    if matches!(kernel, QuantKernel::Grouped { .. }) && !whole_vectors {
+        return Err(SlideSparseError::Backend(format!(
+            "the grouped quant kernel needs K' = {k_out} to be whole 16-byte vectors"
+        )));
+    }
+    let grouped = grouped_choice(kernel, k, n, mode, input_bytes)?.filter(|_| whole_vectors);
     let (vi, dim, staged) = match grouped {
         Some((layout, _)) => (16 / input_bytes, CubeDim::new_1d(layout.units as u32), 0),
         None => {
