@@ -17,6 +17,15 @@ shift || true
 if [ -f gpu-bin/gpu-bin.tar.xz ] && [ ! -x gpu-bin/gpu-tests ]; then
   tar -C gpu-bin -xJf gpu-bin/gpu-bin.tar.xz
 fi
+# CubeCL keeps its autotune results and compiled kernels under target/ (the GPU host has no
+# cargo, so target/ holds nothing else). burn's bf16 matmul autotunes every new shape, ~20 s
+# each at small M: restore the caches of earlier runs (carry gpu-cache/, git-ignored) and
+# hand them back as $OUT/gpu-cache.tar.gz at the end (unpack into gpu-cache/ here).
+if [ -d gpu-cache/target ]; then
+  mkdir -p target && cp -r gpu-cache/target/. target/
+fi
+save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
+trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
   ./gpu-bin/gpu-tests --ignored --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
