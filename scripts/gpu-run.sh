@@ -11,6 +11,11 @@ export CUDA_PATH=/usr/local/cuda
 # cuBLASLt and NVRTC; cuSPARSELt is found by the library's own search (pip location).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export SLIDESPARSE_CACHE_DIR=${SLIDESPARSE_CACHE_DIR:-$OUT/cache}
+# cuSPARSELt algorithms found by earlier runs (carry bench-cache/, git-ignored; merge the
+# $OUT/cache/cusparselt-algorithms.json handed back into it).
+if [ -f bench-cache/cusparselt-algorithms.json ] && [ ! -f "$SLIDESPARSE_CACHE_DIR/cusparselt-algorithms.json" ]; then
+  mkdir -p "$SLIDESPARSE_CACHE_DIR" && cp bench-cache/cusparselt-algorithms.json "$SLIDESPARSE_CACHE_DIR/"
+fi
 what=${1:-all}
 shift || true
 # The binaries travel xz-compressed (the device tool carries at most 64 MiB).
