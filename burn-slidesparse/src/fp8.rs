@@ -140,8 +140,8 @@ mod tests {
         assert_eq!(f32_to_e4m3(2f32.powi(-10) * 1.01), 0x01);
     }
 
-    /// The kernels' FP8 codes (`cubecl_kernels::rounding::fp8_code`: a multiplication by
-    /// `1 / s`, the division only next to a rounding midpoint, then their own integer E4M3
+    /// The kernels' FP8 codes (`cubecl_kernels::rounding::fp8_code`: the quotient from `1 / s`
+    /// by a multiplication and Markstein's correction step, then their own integer E4M3
     /// encoder) equal the spec's division encoded by this module.
     mod kernel_quotient {
         use super::*;
@@ -211,7 +211,7 @@ mod tests {
 
         /// Every value within 100 ulps of each midpoint quotient `h * s` (all 252 midpoints
         /// between finite E4M3 magnitudes, both signs), where the multiplication alone can
-        /// round the other way: the guard must catch them all.
+        /// round the other way: the correction step must fix them all.
         #[test]
         fn equals_the_division_next_to_every_midpoint() {
             let values = positive_values();
@@ -237,7 +237,7 @@ mod tests {
                     }
                 }
             }
-            // The test reaches the cases the guard exists for.
+            // The test reaches the cases the correction exists for.
             assert!(caught > 0);
         }
     }

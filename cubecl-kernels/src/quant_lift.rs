@@ -12,10 +12,10 @@
 //!
 //! Rows `M..M_pad` are written as zeros with scale 1 so that the GEMM can run on the padded
 //! shape. The kernel was instruction-bound (Nsight Compute, `docs/benchmarks.md` section 2),
-//! so the per-element arithmetic is lean: INT8 codes by a multiplication rounded with a
-//! magic-number addition, FP8 codes by a multiplication and an integer E4M3 encoder, each
-//! with an exact division fallback next to a rounding boundary (`crate::rounding`), and a
-//! branch-free absmax.
+//! so the per-element arithmetic is lean and branch-free: the spec's quotient `x / s` from
+//! the row's reciprocal by a multiplication and two FMAs (exact, `crate::rounding`), INT8
+//! codes rounded by a magic-number addition, FP8 codes by an integer E4M3 encoder, and the
+//! absmax by a compare and a select.
 //!
 //! Non-finite input (8-bit modes): a row holding NaN or ±Inf gets the scale NaN and all-zero
 //! codes, so the epilogue turns its whole output row into NaN (never a silently finite row).
@@ -25,10 +25,7 @@ use cubecl::prelude::*;
 
 use crate::{
     grouping::{group_input_len, group_output_len, group_source},
-    rounding::{
-        E4M3_REBIAS, FP8_MAX, FP8_MIDPOINT_GUARD, FP8_MIN_NORMAL, HALF_INTEGER_GUARD,
-        ROUNDING_MAGIC, ROUNDING_MAGIC_BITS,
-    },
+    rounding::{E4M3_REBIAS, FP8_MAX, FP8_MIN_NORMAL, ROUNDING_MAGIC, ROUNDING_MAGIC_BITS},
 };
 
 /// Units per cube (8 warps): one row of up to a few thousand windows per cube.
@@ -119,45 +116,31 @@ pub enum LiftMode {
     Float,
 }
 
+/// `fl(x / scale)` from `inv_scale = fl(1 / scale)`: a multiplication and Markstein's
+/// correction step, two FMAs, no branch. Same operations as the host mirror
+/// [`crate::rounding::quotient`], where the argument and the tests are.
+#[cube]
+fn quotient(x: f32, scale: f32, inv_scale: f32) -> f32 {
+    let first = x * inv_scale;
+    let remainder = fma(-first, scale, x);
+    fma(remainder, inv_scale, first)
+}
+
 /// Bits of an f32 whose low byte is the INT8 code of `x / scale`, bit-identical to the spec's
-/// `clamp(round_half_even(x / s), ±127)`: `x * inv_scale` (`inv_scale = fl(1 / scale)`)
-/// rounded by adding `1.5 * 2^23` (the f32 addition rounds to an integer, half to even, and
-/// leaves it in the low bits as two's complement), with the true division only where the
-/// product lies within the guard of a half-integer. No clamp: quotients of a row are within
-/// `127 (1 + 2^-22)` and round to at most 127. Same operations as the host mirror
-/// [`crate::rounding::int8_code`], where the argument and the tests are.
+/// `clamp(round_half_even(x / s), ±127)`: the quotient rounded by adding `1.5 * 2^23` (the
+/// f32 addition rounds to an integer, half to even, and leaves it in the low bits as two's
+/// complement). No clamp: quotients of a row are within `127 (1 + 2^-23)` and round to at
+/// most 127 (`crate::rounding`).
 #[cube]
 fn int8_code_bits(x: f32, scale: f32, inv_scale: f32) -> u32 {
-    let y = x * inv_scale;
-    let t = y + ROUNDING_MAGIC;
-    let d = y - (t - ROUNDING_MAGIC);
-    let mut bits = u32::reinterpret(t);
-    if f32::abs(d) > 0.5 - HALF_INTEGER_GUARD {
-        bits = u32::reinterpret(x / scale + ROUNDING_MAGIC);
-    }
-    bits
+    u32::reinterpret(quotient(x, scale, inv_scale) + ROUNDING_MAGIC)
 }
 
 /// The f32 quotient converted to FP8 for `x / scale`, clamped to ±448 (which equals
-/// saturation): `x * inv_scale`, or the true division within the guard of an E4M3 rounding
-/// midpoint, so that its E4M3 rounding is the spec's. Same operations as the host mirror
-/// [`crate::rounding::fp8_quotient`], where the argument and the tests are.
+/// saturation). Same operations as the host mirror [`crate::rounding::fp8_quotient`].
 #[cube]
 fn fp8_quotient(x: f32, scale: f32, inv_scale: f32) -> f32 {
-    let mut y = f32::clamp(x * inv_scale, -FP8_MAX, FP8_MAX);
-    let a = f32::abs(y);
-    // Subnormal binade: quanta of 2^-9, the half-integer test on `512 |y|`.
-    let t = a * 512.0;
-    let near_subnormal = f32::abs(t - f32::floor(t) - 0.5) < HALF_INTEGER_GUARD;
-    // Normal binades: the significand's low 20 bits next to a midpoint's `0x80000`.
-    let low = u32::reinterpret(a) & 0xF_FFFFu32;
-    let near_normal =
-        low + FP8_MIDPOINT_GUARD >= 0x8_0000u32 && low <= 0x8_0000u32 + FP8_MIDPOINT_GUARD;
-    let near = (a < FP8_MIN_NORMAL && near_subnormal) || (a >= FP8_MIN_NORMAL && near_normal);
-    if near {
-        y = f32::clamp(x / scale, -FP8_MAX, FP8_MAX);
-    }
-    y
+    f32::clamp(quotient(x, scale, inv_scale), -FP8_MAX, FP8_MAX)
 }
 
 /// E4M3 code (low byte) of `y`, `|y| <= 448`, rounded to nearest even: integer arithmetic on
@@ -427,6 +410,9 @@ pub struct GroupedLayout {
 }
 
 /// One row's groups of this unit into `held` (zeros past `K` and for rows `>= m`).
+///
+/// A unit whose groups all lie within a real row (all but the last units of a row) loads
+/// without a bounds test: a per-vector test compiles to a select per 16-bit lane.
 #[cube]
 fn load_groups<F: Float, VI: Size>(
     x: &Array<Vector<F, VI>>,
@@ -438,24 +424,38 @@ fn load_groups<F: Float, VI: Size>(
     #[comptime] in_vectors: usize,
 ) {
     let real_row = row < m as usize;
-    #[unroll]
-    for g in 0..groups_per_unit {
-        let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+    let last_group = UNIT_POS as usize + (groups_per_unit - 1) * CUBE_DIM as usize;
+    let base = row * row_in_vectors;
+    if real_row && (last_group + 1) * in_vectors <= row_in_vectors {
         #[unroll]
-        for v in 0..in_vectors {
-            let index = group * in_vectors + v;
-            let mut value = Vector::<F, VI>::new(F::new(0.0));
-            if real_row && index < row_in_vectors {
-                value = x[row * row_in_vectors + index];
+        for g in 0..groups_per_unit {
+            let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+            #[unroll]
+            for v in 0..in_vectors {
+                held[g * in_vectors + v] = x[base + group * in_vectors + v];
             }
-            held[g * in_vectors + v] = value;
+        }
+    } else {
+        #[unroll]
+        for g in 0..groups_per_unit {
+            let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+            #[unroll]
+            for v in 0..in_vectors {
+                let index = group * in_vectors + v;
+                let mut value = Vector::<F, VI>::new(F::new(0.0));
+                if real_row && index < row_in_vectors {
+                    value = x[base + index];
+                }
+                held[g * in_vectors + v] = value;
+            }
         }
     }
 }
 
-/// The row's scale from the groups the units hold (one block reduction), then its codes:
-/// each input quantized once, outputs gathered by the group's compile-time lift map, and the
-/// `K'` alignment tail as zeros.
+/// The row's scale from the groups the units hold (one block reduction), then its codes
+/// ([`lift_groups`]) and the `K'` alignment tail as zeros; padding rows and (8-bit modes)
+/// rows holding NaN/Inf are all zeros. The branch is uniform over the cube (one row), so
+/// real rows quantize without a per-element test.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
@@ -472,20 +472,15 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
     #[comptime] mode: LiftMode,
     #[comptime] layout: GroupedLayout,
 ) {
-    let groups_per_unit = comptime!(layout.groups_per_unit);
     let vi = VI::value().comptime();
     let vo = out.vector_size().comptime();
-    let in_len = comptime!(group_input_len(n));
-    let in_vectors = comptime!(group_input_len(n) / vi);
-    let out_vectors = comptime!(group_output_len(n) / vo);
     let quantized = comptime!(mode != LiftMode::Float);
     let row_out_vectors = (k_prime as usize) / vo;
-    let groups = (k as usize).div_ceil(in_len);
 
     let mut amax = 0.0f32;
     let mut bad = 0.0f32;
     #[unroll]
-    for i in 0..comptime!(groups_per_unit * in_vectors) {
+    for i in 0..comptime!(layout.groups_per_unit * group_input_len(n) / vi) {
         let found = vector_absmax_and_flag(held[i]);
         amax = f32::max(amax, found[0]);
         bad = f32::max(bad, found[1]);
@@ -494,14 +489,46 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
     let bad = non_finite(reduced);
     let row_ok = real_row && (bad == 0.0 || !quantized);
     let scale = row_scale(reduced[0], bad, real_row, nan, mode);
-    let mut divisor = 1.0f32;
-    if row_ok {
-        divisor = scale;
-    }
-    let inv_divisor = 1.0f32 / divisor;
     if UNIT_POS == 0 {
         scales[row] = scale;
     }
+
+    let mut zeros_from = 0usize;
+    if row_ok {
+        lift_groups(held, out, row, k, row_out_vectors, scale, n, mode, layout);
+        zeros_from = (k as usize).div_ceil(comptime!(group_input_len(n)))
+            * comptime!(group_output_len(n) / vo);
+    }
+    let mut j = zeros_from + UNIT_POS as usize;
+    while j < row_out_vectors {
+        out[row * row_out_vectors + j] = Vector::<Q, VO>::new(Q::cast_from(0.0f32));
+        j += CUBE_DIM as usize;
+    }
+}
+
+/// The codes of a real row's groups this unit holds: each input quantized once (by `scale`),
+/// the output vectors gathered by the group's compile-time lift map and stored directly or
+/// (staged stores) through shared memory one warp's outputs at a time.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn lift_groups<F: Float, Q: Scalar, VI: Size, VO: Size>(
+    held: &Array<Vector<F, VI>>,
+    out: &mut Array<Vector<Q, VO>>,
+    row: usize,
+    k: u32,
+    row_out_vectors: usize,
+    scale: f32,
+    #[comptime] n: u32,
+    #[comptime] mode: LiftMode,
+    #[comptime] layout: GroupedLayout,
+) {
+    let vi = VI::value().comptime();
+    let vo = out.vector_size().comptime();
+    let in_len = comptime!(group_input_len(n));
+    let in_vectors = comptime!(group_input_len(n) / vi);
+    let out_vectors = comptime!(group_output_len(n) / vo);
+    let groups = (k as usize).div_ceil(in_len);
+    let inv_scale = 1.0f32 / scale;
 
     let mut stage = SharedMemory::<Vector<Q, VO>>::new(comptime!(if layout.staged_stores {
         layout.units * group_output_len(n) / vo
@@ -509,7 +536,7 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
         1
     }));
     #[unroll]
-    for g in 0..groups_per_unit {
+    for g in 0..layout.groups_per_unit {
         let group = UNIT_POS as usize + g * CUBE_DIM as usize;
         if comptime!(layout.staged_stores) {
             // The warp's previous reads of the stage are done before it is overwritten.
@@ -519,11 +546,8 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
             let mut codes = Array::<Q>::new(in_len);
             #[unroll]
             for e in 0..in_len {
-                let mut value = 0.0f32;
-                if row_ok {
-                    value = f32::cast_from(held[g * in_vectors + e / vi][e % vi]);
-                }
-                codes[e] = quantize::<Q>(value, divisor, inv_divisor, mode);
+                let value = f32::cast_from(held[g * in_vectors + e / vi][e % vi]);
+                codes[e] = quantize::<Q>(value, scale, inv_scale, mode);
             }
             #[unroll]
             for ov in 0..out_vectors {
@@ -558,11 +582,5 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
                 }
             }
         }
-    }
-    // The `K'` alignment tail past the last group's outputs.
-    let mut j = groups * out_vectors + UNIT_POS as usize;
-    while j < row_out_vectors {
-        out[row * row_out_vectors + j] = Vector::<Q, VO>::new(Q::cast_from(0.0f32));
-        j += CUBE_DIM as usize;
     }
 }

@@ -1,26 +1,27 @@
 //! INT8 and FP8 rounding without a division per element, bit-identical to the spec's division.
 //!
-//! The spec quantizes `q = clamp(round_half_even(x / s), -127, 127)`. A true f32 division
-//! costs a dozen instructions on the GPU; the kernels multiply by `r = fl(1 / s)` instead and
-//! fall back to the division only where that could change the code:
+//! The spec quantizes `q = clamp(round_half_even(x / s), -127, 127)` (INT8) or
+//! `e4m3_rne(clamp(x / s, -448, 448))` (FP8), with `x / s` the f32 division. A true f32
+//! division costs a dozen instructions and a branch on the GPU. The divisor is the same for a
+//! whole row, so the kernels take its reciprocal `r = fl(1 / s)` once and get the correctly
+//! rounded quotient from three operations per element (Markstein's correction step, the
+//! classic "division by a divisor known in advance"):
 //!
-//! - `y = fl(x * r) = (x / s)(1 + e1)(1 + e2)` and `d = fl(x / s) = (x / s)(1 + e3)` with
-//!   `|e_i| <= 2^-24`, so `|y - d| <= 3 * 2^-24 * |x / s|` (to first order). An INT8 row has
-//!   `|x / s| <= 127 (1 + 2^-23)` (`s = fl(absmax / 127)`), so `|y - d| < 2.3e-5`.
-//! - `round_half_even` is constant between half-integers, so `y` and `d` round alike unless a
-//!   half-integer `h` lies between them, and then `|y - h| <= |y - d| < 2.3e-5`.
-//! - The kernels round `y` by `t = y + 1.5 * 2^23` (an f32 addition at unit spacing rounds
-//!   to an integer, half to even, and leaves it as two's complement in the low bits of `t`)
-//!   and measure `e = y - (t - 1.5 * 2^23)`, both exact for `|y| < 2^22`. `|e| <= 1/2`, and
-//!   `y` lies within `g` of a half-integer exactly when `|e| > 1/2 - g`; those take the
-//!   division. With `g = 2^-15` every `y` next to a half-integer is caught. (NVRTC may fuse
-//!   `x * r + 1.5 * 2^23` into one FMA, which rounds the exact product instead of `y`; the two
-//!   differ only across a half-integer within an ulp of `y`, where `|e|` is near 1/2 and the
-//!   division is taken either way.)
+//! - `q0 = fl(x * r)`, within one ulp of `x / s` (`r` is within half an ulp of `1 / s`);
+//! - `e = fma(-q0, s, x)`, the remainder `x - s q0`: representable for a quotient within one
+//!   ulp, so the FMA (one rounding of the exact value) computes it exactly;
+//! - `q = fma(e, r, q0)`, which equals `fl(x / s)` by Markstein's theorem (correction with a
+//!   reciprocal within half an ulp and a first quotient within one ulp), as long as nothing
+//!   underflows: here `s >= 1e-12 / 448` and every `x` whose code depends on the rounding has
+//!   `|x / s| >= 2^-10`, so `e` stays far above the f32 normal range's floor.
 //!
-//! No clamp is needed: `s = fl(absmax / 127)`, so `|x / s| <= 127 (1 + 2^-23)` and the
-//! quotients round to at most 127. The guard fires for about 6e-5 of the elements (the width
-//! of the band), so the division is rare.
+//! No branch, no guard band, and the same quotient the spec divides out; the tests below
+//! check it against the division bit for bit on every significand of several binades and
+//! next to every rounding boundary. INT8 then rounds `q` by adding `1.5 * 2^23` (an f32
+//! addition at unit spacing rounds to an integer, half to even, and leaves it as two's
+//! complement in the low bits of the sum); no clamp is needed, since `s = fl(absmax / 127)`
+//! gives `|x / s| <= 127 (1 + 2^-23)`, which rounds to at most 127. FP8 clamps `q` to ±448
+//! and encodes it with [`e4m3_bits`] (integer arithmetic on the f32 bits).
 
 /// Added to an f32 of magnitude below `2^22` it rounds the value to an integer (half to
 /// even) held in the low bits of the sum: `1.5 * 2^23`.
@@ -29,22 +30,18 @@ pub const ROUNDING_MAGIC: f32 = 12_582_912.0;
 /// The bits of [`ROUNDING_MAGIC`]: subtracted from the bits of a sum, the rounded integer.
 pub const ROUNDING_MAGIC_BITS: u32 = 0x4B40_0000;
 
-/// `|frac(|y|) - 1/2|` below which [`int8_code`] recomputes `x / s` by true division: 2^-15,
-/// above the 2.3e-5 bound of the module docs.
-pub const HALF_INTEGER_GUARD: f32 = 1.0 / 32768.0;
+/// `fl(x / scale)` from `inv_scale = fl(1 / scale)` by one multiplication and two FMAs (the
+/// module docs say why it is exact). The GPU kernels run the same IEEE operations.
+pub fn quotient(x: f32, scale: f32, inv_scale: f32) -> f32 {
+    let first = x * inv_scale;
+    let remainder = (-first).mul_add(scale, x);
+    remainder.mul_add(inv_scale, first)
+}
 
 /// Bits of an f32 whose low byte is the INT8 code of `x / scale`, by the kernels' method;
-/// `inv_scale` must be `1.0 / scale` rounded to f32. The GPU kernels run the same IEEE
-/// operations.
+/// `inv_scale` must be `1.0 / scale` rounded to f32.
 pub fn int8_code_bits(x: f32, scale: f32, inv_scale: f32) -> u32 {
-    let y = x * inv_scale;
-    let t = y + ROUNDING_MAGIC;
-    let d = y - (t - ROUNDING_MAGIC);
-    if d.abs() > 0.5 - HALF_INTEGER_GUARD {
-        (x / scale + ROUNDING_MAGIC).to_bits()
-    } else {
-        t.to_bits()
-    }
+    (quotient(x, scale, inv_scale) + ROUNDING_MAGIC).to_bits()
 }
 
 /// The INT8 code (as an f32) of `x / scale` by the kernels' method ([`int8_code_bits`]).
@@ -52,52 +49,16 @@ pub fn int8_code(x: f32, scale: f32, inv_scale: f32) -> f32 {
     f32::from(int8_code_bits(x, scale, inv_scale) as u8 as i8)
 }
 
-/// FP8 (E4M3) the same way. The spec's code is `e4m3_rne(clamp(x / s, -448, 448))`; the
-/// kernels compute `y = clamp(fl(x * r), -448, 448)` and take the division only where `y`
-/// may lie on the other side of an E4M3 rounding midpoint than the true quotient:
-///
-/// - as above, `|y - d| <= 3 * 2^-24 * |x / s|` to first order (`|x / s| <= 448 (1 + 2^-23)`).
-/// - E4M3 rounds `|y|` to a multiple of its binade's quantum `2^(e - 3)` (`e = floor(log2
-///   |y|)`, at least -6: below `2^-6` the subnormal quantum `2^-9`). Midpoints are odd
-///   multiples of half a quantum; there is none within a quantum of a power of two, so `y`
-///   and `d` straddle a midpoint only when both lie in the binade holding it.
-/// - Normal binades (`|y| >= 2^-6`): `|y - d| < 3 * 2^-24 * 2^(e + 1) = 3 * 2^(e - 23)`, three
-///   units in the last place of `y`'s f32 significand. A midpoint's significand has low 20
-///   bits (those below E4M3's three) equal to `0x80000`; the kernels divide when `y`'s low 20
-///   bits are within [`FP8_MIDPOINT_GUARD`] units of it.
-/// - Subnormal binade (`|y| < 2^-6`): `t = 512 |y|` (exact) counts quanta, and `|y - d|` is
-///   below `3 * 2^-30` = `3 * 2^-21` quanta; the INT8 test `|frac(t) - 1/2| < 2^-15` applies.
-///
-/// Values beyond ±448 clamp to 448 in both (448 itself is far from a midpoint).
-pub const FP8_MIDPOINT_GUARD: u32 = 16;
-
 /// Smallest normal E4M3 magnitude, `2^-6`: below it the quantum is `2^-9`.
 pub const FP8_MIN_NORMAL: f32 = 1.0 / 64.0;
 
 /// Largest finite E4M3 magnitude.
 pub const FP8_MAX: f32 = 448.0;
 
-/// Whether `a = |y|` (at most 448) lies within the guard of an E4M3 rounding midpoint.
-pub fn near_fp8_midpoint(a: f32) -> bool {
-    if a < FP8_MIN_NORMAL {
-        let t = a * 512.0;
-        (t - t.floor() - 0.5).abs() < HALF_INTEGER_GUARD
-    } else {
-        let low = (a.to_bits() & 0xF_FFFF) as i32;
-        (low - 0x8_0000).unsigned_abs() <= FP8_MIDPOINT_GUARD
-    }
-}
-
-/// The f32 quotient the kernels convert to E4M3 for `x / scale`: `clamp(x * inv_scale)`
-/// away from rounding midpoints, `clamp(x / scale)` near them (`inv_scale = fl(1 / scale)`).
-/// Its E4M3 rounding equals that of `clamp(x / scale, -448, 448)`.
+/// The f32 quotient the kernels convert to E4M3 for `x / scale`: `clamp(x / scale, -448,
+/// 448)`, the division done by [`quotient`].
 pub fn fp8_quotient(x: f32, scale: f32, inv_scale: f32) -> f32 {
-    let y = (x * inv_scale).clamp(-FP8_MAX, FP8_MAX);
-    if near_fp8_midpoint(y.abs()) {
-        (x / scale).clamp(-FP8_MAX, FP8_MAX)
-    } else {
-        y
-    }
+    quotient(x, scale, inv_scale).clamp(-FP8_MAX, FP8_MAX)
 }
 
 /// `(127 - 7) << 3`: moves an f32 exponent field (bias 127), shifted down by the 20 dropped
@@ -182,7 +143,8 @@ mod tests {
     }
 
     /// Every value within a few hundred ulps of each half-integer quotient `(j + 1/2) s`,
-    /// where the multiplication and the division can disagree: the guard must catch them all.
+    /// where the multiplication alone and the division can disagree: the correction step
+    /// must fix them all.
     #[test]
     fn equals_the_division_next_to_every_rounding_boundary() {
         let mut rng = Xorshift(0xD1B5_4A32_D192_ED03);
@@ -210,8 +172,61 @@ mod tests {
                 }
             }
         }
-        // The test reaches the cases the guard exists for.
+        // The test reaches the cases the correction exists for.
         assert!(disagreements_caught > 0);
+    }
+
+    /// [`quotient`] is the f32 division bit for bit on every significand of `x` in the
+    /// binades where INT8 and FP8 codes are decided (quotients in `[2^-10, 512)`), for scales
+    /// with the extreme significands (1.0 and all ones, where `fl(1 / s)` is least and most
+    /// accurate) and random ones, across the exponent range the kernels see.
+    #[test]
+    fn quotient_is_the_division_on_every_significand() {
+        let mut rng = Xorshift(0x2545_F491_4F6C_DD1D);
+        let mut scales = vec![
+            1.0f32,
+            f32::from_bits(0x3FFF_FFFF),
+            1e-12 / 448.0,
+            1e-12 / 127.0,
+        ];
+        scales.extend((0..4).map(|_| random_scale(&mut rng).1));
+        for scale in scales {
+            let inv = 1.0 / scale;
+            // Quotient binades 2^-10 (FP8's smallest midpoint) .. 2^8 (above 448).
+            for binade in [-10i32, -7, 0, 6, 8] {
+                let low = (scale * 2f32.powi(binade)).to_bits();
+                for bits in (low & !0x7F_FFFF)..=(low | 0x7F_FFFF) {
+                    let x = f32::from_bits(bits);
+                    assert_eq!(
+                        quotient(x, scale, inv).to_bits(),
+                        (x / scale).to_bits(),
+                        "x = {x:e}, scale = {scale:e}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// [`quotient`] is the division for every significand of the scale, at the inputs next to
+    /// half-integer quotients (INT8 rounding boundaries) and at random inputs of the row.
+    #[test]
+    fn quotient_is_the_division_for_every_scale_significand() {
+        let mut rng = Xorshift(0x9E37_79B9_7F4A_7C15);
+        for significand in 0..=0x7F_FFFFu32 {
+            let scale = f32::from_bits(0x3C00_0000 | significand);
+            let inv = 1.0 / scale;
+            let j = (rng.next() % 127) as f32 + 0.5;
+            let center = (j * scale).to_bits();
+            let random = ((2.0 * rng.unit() - 1.0) * 127.0 * scale).to_bits();
+            for bits in [center - 1, center, center + 1, random] {
+                let x = f32::from_bits(bits);
+                assert_eq!(
+                    quotient(x, scale, inv).to_bits(),
+                    (x / scale).to_bits(),
+                    "x = {x:e}, scale = {scale:e}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -295,8 +295,8 @@ fn check_codes(
 /// kernel with one to several groups per unit and cubes up to 1024 units (K up to 65536),
 /// the row-staged kernel with rows staged in shared memory and read from global memory
 /// twice, the plain quantization of the dense baseline, and INT8 and FP8 quotients on and
-/// next to every rounding boundary (where the kernels' multiplication falls back to a
-/// division).
+/// next to every rounding boundary (where a multiplication by `1 / s` alone would round the
+/// other way; the kernels correct it with two FMAs).
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn quant_lift_kernel_is_bit_exact() {
