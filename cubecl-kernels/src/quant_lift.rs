@@ -300,7 +300,9 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
 ///    the absmax;
 /// 2. quantize each input element once (not once per lifted copy), then assemble the output
 ///    vectors by a lift map that is a compile-time constant within a group: no index
-///    arithmetic, no shared memory, 16-byte stores.
+///    arithmetic, no shared memory, 16-byte stores. 8-bit codes are packed four to a `u32`
+///    word (`Q` is `u32` for the 8-bit modes; `out` holds words) and each output word, one
+///    2:4 window, is a packed word or a funnel shift of two ([`lift_packed_codes`]).
 ///
 /// A cube handles rows `CUBE_POS`, `CUBE_POS + CUBE_COUNT`, ... and loads the next row's
 /// groups before it reduces, quantizes and stores the current one, so that its loads stay in
@@ -475,7 +477,7 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
     let vi = VI::value().comptime();
     let vo = out.vector_size().comptime();
     let quantized = comptime!(mode != LiftMode::Float);
-    let row_out_vectors = (k_prime as usize) / vo;
+    let row_out_vectors = (k_prime as usize) / comptime!(vo * codes_per_element(mode));
 
     let mut amax = 0.0f32;
     let mut bad = 0.0f32;
@@ -497,7 +499,7 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
     if row_ok {
         lift_groups(held, out, row, k, row_out_vectors, scale, n, mode, layout);
         zeros_from = (k as usize).div_ceil(comptime!(group_input_len(n)))
-            * comptime!(group_output_len(n) / vo);
+            * comptime!(group_output_len(n) / (vo * codes_per_element(mode)));
     }
     let mut j = zeros_from + UNIT_POS as usize;
     while j < row_out_vectors {
@@ -526,12 +528,12 @@ fn lift_groups<F: Float, Q: Scalar, VI: Size, VO: Size>(
     let vo = out.vector_size().comptime();
     let in_len = comptime!(group_input_len(n));
     let in_vectors = comptime!(group_input_len(n) / vi);
-    let out_vectors = comptime!(group_output_len(n) / vo);
+    let out_vectors = comptime!(group_output_len(n) / (vo * codes_per_element(mode)));
     let groups = (k as usize).div_ceil(in_len);
     let inv_scale = 1.0f32 / scale;
 
     let mut stage = SharedMemory::<Vector<Q, VO>>::new(comptime!(if layout.staged_stores {
-        layout.units * group_output_len(n) / vo
+        layout.units * out_vectors
     } else {
         1
     }));
@@ -543,25 +545,21 @@ fn lift_groups<F: Float, Q: Scalar, VI: Size, VO: Size>(
             sync_plane();
         }
         if group < groups {
-            let mut codes = Array::<Q>::new(in_len);
-            #[unroll]
-            for e in 0..in_len {
-                let value = f32::cast_from(held[g * in_vectors + e / vi][e % vi]);
-                codes[e] = quantize::<Q>(value, scale, inv_scale, mode);
+            let first = g * in_vectors;
+            let mut lifted = Array::<Vector<Q, VO>>::new(out_vectors);
+            if comptime!(mode == LiftMode::Float) {
+                lift_values(held, &mut lifted, first, n);
+            } else {
+                lift_packed_codes(held, &mut lifted, first, scale, inv_scale, n, mode);
             }
             #[unroll]
             for ov in 0..out_vectors {
-                let mut lifted = Vector::<Q, VO>::empty();
-                #[unroll]
-                for l in 0..vo {
-                    lifted[l] = codes[comptime!(group_source(ov * vo + l, n))];
-                }
                 if comptime!(layout.staged_stores) {
-                    stage[UNIT_POS as usize * out_vectors + ov] = lifted;
+                    stage[UNIT_POS as usize * out_vectors + ov] = lifted[ov];
                 } else {
                     let j = group * out_vectors + ov;
                     if j < row_out_vectors {
-                        out[row * row_out_vectors + j] = lifted;
+                        out[row * row_out_vectors + j] = lifted[ov];
                     }
                 }
             }
@@ -582,5 +580,93 @@ fn lift_groups<F: Float, Q: Scalar, VI: Size, VO: Size>(
                 }
             }
         }
+    }
+}
+
+/// Output elements per code: 8-bit codes travel as `u32` words of four (`Q = u32`), float
+/// lifts as one value per element.
+fn codes_per_element(mode: LiftMode) -> usize {
+    match mode {
+        LiftMode::Float => 1,
+        _ => 4,
+    }
+}
+
+/// The INT8 or FP8 code of `x / scale` in the low byte (higher bits undefined).
+#[cube]
+fn code_bits(x: f32, scale: f32, inv_scale: f32, #[comptime] mode: LiftMode) -> u32 {
+    match comptime!(mode) {
+        LiftMode::Fp8 => e4m3_bits(fp8_quotient(x, scale, inv_scale)),
+        _ => int8_code_bits(x, scale, inv_scale),
+    }
+}
+
+/// One group's lifted 8-bit codes as `u32` words (`Q = u32`): each input quantized once and
+/// packed four codes to a word; every output word is one 2:4 window, which starts on an even
+/// code of the group, so it is one packed word or (starting mid-word) the upper half of one
+/// and the lower half of the next: a funnel shift, no per-byte assembly.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn lift_packed_codes<F: Float, Q: Scalar, VI: Size, VO: Size>(
+    held: &Array<Vector<F, VI>>,
+    lifted: &mut Array<Vector<Q, VO>>,
+    first: usize,
+    scale: f32,
+    inv_scale: f32,
+    #[comptime] n: u32,
+    #[comptime] mode: LiftMode,
+) {
+    let vi = VI::value().comptime();
+    let vo = VO::value().comptime();
+    let words_in = comptime!(group_input_len(n) / 4);
+    let mut words = Array::<u32>::new(words_in);
+    #[unroll]
+    for w in 0..words_in {
+        let mut word = 0u32;
+        #[unroll]
+        for b in 0..4usize {
+            let e = comptime!(w * 4 + b);
+            let value = f32::cast_from(held[first + comptime!(e / vi)][comptime!(e % vi)]);
+            let code = code_bits(value, scale, inv_scale, mode) & 0xFFu32;
+            word |= code << comptime!(8 * b as u32);
+        }
+        words[w] = word;
+    }
+    #[unroll]
+    for ov in 0..comptime!(group_output_len(n) / (4 * vo)) {
+        let mut vector = Vector::<Q, VO>::empty();
+        #[unroll]
+        for l in 0..vo {
+            let src = comptime!(group_source(4 * (ov * vo + l), n));
+            let mut word = words[comptime!(src / 4)];
+            if comptime!(src % 4 != 0) {
+                word = (word >> 16u32) | (words[comptime!(src / 4 + 1)] << 16u32);
+            }
+            vector[l] = Q::reinterpret(word);
+        }
+        lifted[ov] = vector;
+    }
+}
+
+/// One group's lifted values for the float modes (BF16/F16 lift, no quantization): the
+/// output vectors gathered by the group's compile-time lift map.
+#[cube]
+fn lift_values<F: Float, Q: Scalar, VI: Size, VO: Size>(
+    held: &Array<Vector<F, VI>>,
+    lifted: &mut Array<Vector<Q, VO>>,
+    first: usize,
+    #[comptime] n: u32,
+) {
+    let vi = VI::value().comptime();
+    let vo = VO::value().comptime();
+    #[unroll]
+    for ov in 0..comptime!(group_output_len(n) / vo) {
+        let mut vector = Vector::<Q, VO>::empty();
+        #[unroll]
+        for l in 0..vo {
+            let src = comptime!(group_source(ov * vo + l, n));
+            vector[l] = Q::cast_from(held[first + comptime!(src / vi)][comptime!(src % vi)]);
+        }
+        lifted[ov] = vector;
     }
 }

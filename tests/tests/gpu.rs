@@ -199,8 +199,8 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
     let xf: Vec<F> = x.iter().map(|&v| F::from_elem(v)).collect();
     let x: Vec<f32> = xf.iter().map(|v| v.elem::<f32>()).collect();
     let xh = client.create_from_slice(F::as_bytes(&xf));
-    // Besides the forward's choice (one row per cube, INT8 lifted stores staged in shared
-    // memory for long rows): a grouped layout whose cubes take 3 rows each (not dividing
+    // Besides the forward's choice (one row per cube, direct stores; 8-bit codes as packed
+    // words): a grouped layout whose cubes take 3 rows each (not dividing
     // `m_pad`: the last cube stops early), load the next row ahead and always stage their
     // stores; it refuses rows it cannot take.
     let several_rows = QuantKernel::Grouped {

@@ -107,11 +107,6 @@ pub enum QuantKernel {
 pub const ROWS_PER_CUBE: usize = 1;
 /// Shared memory the grouped kernel may stage one round of stores in (bytes).
 const STAGED_STORE_BYTES: usize = 24 * 1024;
-/// Cube size from which the forward stages INT8 lifted stores in shared memory: measured on
-/// the H200 7% faster for the long rows (cubes of 256-512 units), 7% slower for the short
-/// ones (128 units), and no faster for FP8 (more arithmetic per byte) or without a lift (a
-/// group's output is one vector, consecutive groups' stores are already whole sectors).
-const STAGED_STORE_MIN_UNITS: u32 = 256;
 
 /// The grouped kernel's layout and rows per cube for this launch, or `None` for the
 /// row-staged kernel.
@@ -119,10 +114,9 @@ fn grouped_choice(
     kernel: QuantKernel,
     k: usize,
     n: u32,
-    mode: LiftMode,
-    input_bytes: usize,
+    (input_bytes, output_bytes): (usize, usize),
 ) -> Result<Option<(GroupedLayout, usize)>> {
-    let stage_bytes = |units: u32| units as usize * group_output_len(n);
+    let stage_bytes = |units: u32| units as usize * group_output_len(n) * output_bytes;
     Ok(match kernel {
         QuantKernel::RowStaged => None,
         QuantKernel::Auto => grouped_layout(k, n, input_bytes).map(|(units, per_unit)| {
@@ -130,10 +124,10 @@ fn grouped_choice(
                 units: units as usize,
                 groups_per_unit: per_unit,
                 prefetch: false,
-                staged_stores: mode == LiftMode::Int8
-                    && n > 0
-                    && units >= STAGED_STORE_MIN_UNITS
-                    && stage_bytes(units) <= STAGED_STORE_BYTES,
+                // Direct stores: since the 8-bit codes travel as packed words, staging the
+                // stores in shared memory measured 5% slower on the long rows and no faster
+                // on the short ones (H200, docs/benchmarks.md section 2).
+                staged_stores: false,
             };
             (layout, ROWS_PER_CUBE)
         }),
@@ -197,7 +191,7 @@ pub fn launch_quant_lift_with(
             "the grouped quant kernel needs K' = {k_out} to be whole 16-byte vectors"
         )));
     }
-    let grouped = grouped_choice(kernel, k, n, mode, input_bytes)?.filter(|_| whole_vectors);
+    let grouped = grouped_choice(kernel, k, n, (input_bytes, elem))?.filter(|_| whole_vectors);
     let (vi, dim, staged) = match grouped {
         Some((layout, _)) => (16 / input_bytes, CubeDim::new_1d(layout.units as u32), 0),
         None => {
@@ -221,22 +215,29 @@ pub fn launch_quant_lift_with(
         None => CubeCount::Static(m_pad as u32, 1, 1),
     };
     let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
+    // The grouped kernel writes 8-bit codes as u32 words of four, 16-byte vectors of 4 words.
+    let packed = grouped.is_some() && mode != LiftMode::Float;
+    let (out_vector, out_len) = if packed {
+        (4, m_pad * k_out / 16)
+    } else {
+        (vo, m_pad * k_out / vo)
+    };
     // SAFETY: buffer sizes match the lengths given; the kernels bound every access by them.
     unsafe {
         let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k / vi);
-        let out = ArrayArg::from_raw_parts(codes.clone(), m_pad * k_out / vo);
+        let out = ArrayArg::from_raw_parts(codes.clone(), out_len);
         let s = ArrayArg::from_raw_parts(scales.clone(), m_pad);
         macro_rules! go {
-            ($q:ty) => {
+            ($q:ty, $grouped_q:ty) => {
                 match grouped {
                     Some((layout, _)) => {
-                        quant_lift_grouped_kernel::launch_unchecked::<$q, Runtime>(
+                        quant_lift_grouped_kernel::launch_unchecked::<$grouped_q, Runtime>(
                             client,
                             count,
                             dim,
                             addr,
                             vi,
-                            vo,
+                            out_vector,
                             x_arg,
                             out,
                             s,
@@ -275,11 +276,11 @@ pub fn launch_quant_lift_with(
             };
         }
         match precision {
-            Precision::Int8 => go!(i8),
-            Precision::Fp8 => go!(e4m3),
-            Precision::Bf16 => go!(bf16),
-            Precision::F16 => go!(f16),
-            Precision::F32 => go!(f32),
+            Precision::Int8 => go!(i8, u32),
+            Precision::Fp8 => go!(e4m3, u32),
+            Precision::Bf16 => go!(bf16, bf16),
+            Precision::F16 => go!(f16, f16),
+            Precision::F32 => go!(f32, f32),
         }
     }
     Ok(())
