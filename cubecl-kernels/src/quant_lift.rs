@@ -508,9 +508,9 @@ fn quantize_lift_row<F: Float, Q: Scalar, VI: Size, VO: Size>(
     }
 }
 
-/// The codes of a real row's groups this unit holds: each input quantized once (by `scale`),
-/// the output vectors gathered by the group's compile-time lift map and stored directly or
-/// (staged stores) through shared memory one warp's outputs at a time.
+/// The codes of a real row's groups this unit holds, each group's lifted output vectors built
+/// by [`lift_packed_codes`] (8-bit modes: packed words) or [`lift_values`] (float lift) and
+/// stored directly or (staged stores) through shared memory one warp's outputs at a time.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn lift_groups<F: Float, Q: Scalar, VI: Size, VO: Size>(
