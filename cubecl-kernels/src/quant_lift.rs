@@ -159,17 +159,22 @@ fn e4m3_bits(y: f32) -> u32 {
     code | ((u32::reinterpret(y) >> 24) & 0x80u32)
 }
 
-/// Quantizes `x / scale` to the output type: INT8 through [`int8_code_bits`], FP8 through
-/// [`fp8_quotient`] and [`e4m3_bits`] (both bit-identical to the spec's division), or a
-/// plain cast for float modes.
+/// Quantizes `x / scale` to the output type: the 8-bit code of [`code_bits`] (bit-identical
+/// to the spec's division), or a plain cast for float modes.
 #[cube]
 fn quantize<Q: Scalar>(x: f32, scale: f32, inv_scale: f32, #[comptime] mode: LiftMode) -> Q {
     match comptime!(mode) {
-        LiftMode::Int8 => Q::reinterpret(u8::cast_from(int8_code_bits(x, scale, inv_scale))),
-        LiftMode::Fp8 => {
-            Q::reinterpret(u8::cast_from(e4m3_bits(fp8_quotient(x, scale, inv_scale))))
-        }
         LiftMode::Float => Q::cast_from(x),
+        _ => Q::reinterpret(u8::cast_from(code_bits(x, scale, inv_scale, mode))),
+    }
+}
+
+/// The INT8 or FP8 code of `x / scale` in the low byte (higher bits undefined).
+#[cube]
+fn code_bits(x: f32, scale: f32, inv_scale: f32, #[comptime] mode: LiftMode) -> u32 {
+    match comptime!(mode) {
+        LiftMode::Fp8 => e4m3_bits(fp8_quotient(x, scale, inv_scale)),
+        _ => int8_code_bits(x, scale, inv_scale),
     }
 }
 
@@ -589,15 +594,6 @@ fn codes_per_element(mode: LiftMode) -> usize {
     match mode {
         LiftMode::Float => 1,
         _ => 4,
-    }
-}
-
-/// The INT8 or FP8 code of `x / scale` in the low byte (higher bits undefined).
-#[cube]
-fn code_bits(x: f32, scale: f32, inv_scale: f32, #[comptime] mode: LiftMode) -> u32 {
-    match comptime!(mode) {
-        LiftMode::Fp8 => e4m3_bits(fp8_quotient(x, scale, inv_scale)),
-        _ => int8_code_bits(x, scale, inv_scale),
     }
 }
 
