@@ -176,6 +176,14 @@ mod tests {
         assert!(disagreements_caught > 0);
     }
 
+    fn assert_quotient_is_the_division(x: f32, scale: f32, inv: f32) {
+        assert_eq!(
+            quotient(x, scale, inv).to_bits(),
+            (x / scale).to_bits(),
+            "x = {x:e}, scale = {scale:e}"
+        );
+    }
+
     /// [`quotient`] is the f32 division bit for bit on every significand of `x` in the
     /// binades where INT8 and FP8 codes are decided (quotients in `[2^-10, 512)`), for scales
     /// with the extreme significands (1.0 and all ones, where `fl(1 / s)` is least and most
@@ -196,12 +204,7 @@ mod tests {
             for binade in [-10i32, -7, 0, 6, 8] {
                 let low = (scale * 2f32.powi(binade)).to_bits();
                 for bits in (low & !0x7F_FFFF)..=(low | 0x7F_FFFF) {
-                    let x = f32::from_bits(bits);
-                    assert_eq!(
-                        quotient(x, scale, inv).to_bits(),
-                        (x / scale).to_bits(),
-                        "x = {x:e}, scale = {scale:e}"
-                    );
+                    assert_quotient_is_the_division(f32::from_bits(bits), scale, inv);
                 }
             }
         }
@@ -219,12 +222,7 @@ mod tests {
             let center = (j * scale).to_bits();
             let random = ((2.0 * rng.unit() - 1.0) * 127.0 * scale).to_bits();
             for bits in [center - 1, center, center + 1, random] {
-                let x = f32::from_bits(bits);
-                assert_eq!(
-                    quotient(x, scale, inv).to_bits(),
-                    (x / scale).to_bits(),
-                    "x = {x:e}, scale = {scale:e}"
-                );
+                assert_quotient_is_the_division(f32::from_bits(bits), scale, inv);
             }
         }
     }
