@@ -25,9 +25,11 @@ use super::{
     cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
     cusparselt_sys::Stream,
     dense::DenseLayerGpu,
+    graphs::{GemmCall, GraphKey},
     launch::{launch_epilogue, launch_quant_lift},
     memory::ensure_fits,
-    ordering::run_ordered,
+    ordering::{SyncMode, run_ordered},
+    scratch::{ForwardBuffer, ForwardScratch, HeldBuffer, fresh_scratch},
     state::{DeviceState, device_state},
 };
 use crate::{
@@ -47,10 +49,10 @@ pub struct CudaPrepared {
     pub spec: LayerSpec,
     /// `N_out` padded to the structured-matrix multiple.
     pub n_pad: usize,
-    compressed: Handle,
+    compressed: HeldBuffer,
     scale: Handle,
     /// The weight scales padded with zeros to `n_pad`: cuSPARSELt's alpha vector (INT8).
-    alpha: Handle,
+    alpha: HeldBuffer,
     bias: Option<Handle>,
     state: Arc<Mutex<DeviceState>>,
 }
@@ -215,9 +217,9 @@ fn prepare_weights<F: FloatElement, I: IntElement, BT: BoolElement>(
     Ok(CudaPrepared {
         spec,
         n_pad,
-        compressed,
+        compressed: HeldBuffer::new(&client, compressed)?,
         scale,
-        alpha,
+        alpha: HeldBuffer::new(&client, alpha)?,
         bias,
         state,
     })
@@ -238,21 +240,25 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
     let client = x.client.clone();
     let dtype = x.dtype;
     let accumulator = Accumulator::sparse(precision, dtype);
-    let sizes = [
+    let scratch_sizes = [
         m_pad * k_prime * precision.element_bytes(),
         m_pad * 4,
         m_pad * n_pad * accumulator.bytes(),
-        m * n * dtype.size(),
     ];
-    ensure_fits(&client, &prepared.state, sizes.iter().sum(), || {
-        format!("SlideSparseLinear forward of {m} tokens")
-    })?;
-    let [codes, token_scales, acc, out] = sizes.map(|bytes| client.empty(bytes));
+    let out_bytes = m * n * dtype.size();
+    ensure_fits(
+        &client,
+        &prepared.state,
+        scratch_sizes.iter().sum::<usize>() + out_bytes,
+        || format!("SlideSparseLinear forward of {m} tokens"),
+    )?;
+    let [codes, token_scales, acc] = forward_scratch(&client, &prepared.state, scratch_sizes)?;
+    let out = client.empty(out_bytes);
     launch_quant_lift(
         &client,
         &x.handle,
-        &codes,
-        &token_scales,
+        &codes.handle,
+        &token_scales.handle,
         (m, m_pad, k, geometry.k_slide(), k_prime),
         geometry.n,
         precision,
@@ -264,12 +270,12 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
         &codes,
         &acc,
         (m_pad, accumulator),
-        (&token_scales, m_pad),
+        (&token_scales.handle, m_pad),
     )?;
     launch_epilogue(
         &client,
-        &acc,
-        &token_scales,
+        &acc.handle,
+        &token_scales.handle,
         &prepared.scale,
         prepared.bias.as_ref(),
         &out,
@@ -286,13 +292,35 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
     ))
 }
 
+/// The intermediate buffers `[codes, token scales, accumulator]` of one forward on this
+/// thread: kept across calls at decode sizes (see `scratch.rs`), except under the opt-in
+/// `Flags` ordering, where a timed-out wait lets burn's stream run ahead of a late GEMM, so
+/// the next forward could overwrite what that GEMM still reads: fresh buffers there.
+pub fn forward_scratch(
+    client: &Client,
+    state: &Mutex<DeviceState>,
+    sizes: [usize; 3],
+) -> Result<ForwardScratch> {
+    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+    if state.sync_mode == SyncMode::Flags {
+        return Ok(fresh_scratch(client, sizes));
+    }
+    state.make_current()?;
+    state
+        .lanes
+        .current(client)?
+        .scratch
+        .for_forward(client, sizes)
+}
+
 /// `acc = X' . W'^T` through cuSPARSELt on this thread's lane, ordered between burn's
-/// kernels (see `ordering.rs`); `poison` is NaN-filled if the GEMM never signals.
+/// kernels (see `ordering.rs`); replayed from a CUDA graph when `codes` and `acc` are kept
+/// buffers (see `graphs.rs`); `poison` is NaN-filled if the GEMM never signals.
 pub fn run_sparse_gemm(
     client: &Client,
     prepared: &CudaPrepared,
-    codes: &Handle,
-    acc: &Handle,
+    codes: &ForwardBuffer,
+    acc: &ForwardBuffer,
     (m_pad, accumulator): (usize, Accumulator),
     poison: (&Handle, usize),
 ) -> Result<()> {
@@ -305,19 +333,22 @@ pub fn run_sparse_gemm(
     };
     let mut state = prepared.state.lock().unwrap_or_else(|e| e.into_inner());
     state.make_current()?;
-    // Device pointers are resolved where the GEMM is enqueued: on cubecl's device thread in
-    // `Stream` mode, where `get_resource` is a direct call instead of a round trip to it.
+    // Pointers of buffers that are not kept are resolved where the GEMM is enqueued: on
+    // cubecl's device thread in `Stream` mode, where `get_resource` is a direct call
+    // instead of a round trip to it.
     let pointers = |client: &Client| -> Result<GemmPointers> {
         Ok(GemmPointers {
-            weight: ptr(client, &prepared.compressed)?,
-            act: ptr(client, codes)?,
-            out: ptr(client, acc)?,
-            alpha: ptr(client, &prepared.alpha)?,
+            weight: prepared.compressed.ptr,
+            act: codes.pointer(client)?,
+            out: acc.pointer(client)?,
+            alpha: prepared.alpha.ptr,
         })
     };
-    state.plan(shape)?;
-    if state.needs_search(&shape) {
-        search_once(client, &mut state, shape, pointers(client)?)?;
+    if state.plan(shape)?.needs_search {
+        if state.needs_search(&shape) {
+            search_once(client, &mut state, shape, pointers(client)?)?;
+        }
+        state.plan(shape)?.needs_search = false;
     }
     let DeviceState {
         lt,
@@ -325,12 +356,20 @@ pub fn run_sparse_gemm(
         lanes,
         sync_mode,
         side,
+        use_graphs,
         ..
     } = &mut *state;
     let plan = plans.get(&shape).expect("built above");
     let lane = lanes.current(client)?;
     let p_ws = lane.workspace(client, plan.workspace)?;
-    run_ordered(client, lane, side, *sync_mode, poison, |stream| {
+    let graph = match (codes.kept_ptr, acc.kept_ptr) {
+        (Some(act), Some(out)) if *use_graphs => Some(GraphKey {
+            call: GemmCall::Sparse(shape),
+            pointers: [prepared.compressed.ptr, act, out, prepared.alpha.ptr, p_ws],
+        }),
+        _ => None,
+    };
+    run_ordered(client, lane, side, *sync_mode, poison, graph, |stream| {
         let p = pointers(client)?;
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's
         // stream (which owns their reuse) behind the GEMM.

@@ -276,6 +276,9 @@ pub struct SparsePlan {
     _descs: [OwnedDescriptor; 3],
     pub workspace: usize,
     pub config_id: i32,
+    /// Whether the algorithm is still to be settled (searched, or the default kept): true
+    /// for a plan built without a remembered configuration, until its first run decides.
+    pub needs_search: bool,
     /// Alpha is a device vector (per output channel): the accumulator is channel-scaled.
     alpha_vector: bool,
     destroy_plan: unsafe extern "C" fn(*const Opaque) -> sys::Status,
@@ -381,6 +384,7 @@ impl SparsePlan {
             _descs: [weight, act, out],
             workspace,
             config_id: config_id.unwrap_or(0),
+            needs_search: config_id.is_none(),
             alpha_vector: shape.accumulator.channel_scaled,
             destroy_plan: lib.cusparseLtMatmulPlanDestroy,
             destroy_alg: lib.cusparseLtMatmulAlgSelectionDestroy,

@@ -8,11 +8,13 @@ use cubecl::{prelude::*, server::Handle};
 
 use super::{
     accumulator::Accumulator,
-    backend::{Runtime, m_pad, ptr},
+    backend::{Runtime, forward_scratch, m_pad},
     cublaslt::{DenseShape, WORKSPACE},
+    graphs::{GemmCall, GraphKey},
     launch::{launch_epilogue, launch_quant_lift},
     memory::ensure_fits,
     ordering::run_ordered,
+    scratch::{ForwardBuffer, HeldBuffer},
     state::{DeviceState, device_state},
 };
 use crate::{
@@ -32,7 +34,7 @@ pub struct DenseLayerGpu {
     /// `K` rounded up to 16 (cuBLASLt's 8-bit alignment); the quant kernel zero-pads.
     pub k_pad: usize,
     pub precision: Precision,
-    weight: Handle,
+    weight: HeldBuffer,
     scale: Handle,
     bias: Option<Handle>,
     state: Arc<Mutex<DeviceState>>,
@@ -82,7 +84,7 @@ impl DenseLayerGpu {
             k,
             k_pad,
             precision,
-            weight: client.create_from_slice(&bytes),
+            weight: HeldBuffer::new(client, client.create_from_slice(&bytes))?,
             scale: client.create_from_slice(&f32_bytes(&weight.scales)),
             bias: bias.map(|b| client.create_from_slice(&f32_bytes(b))),
             state,
@@ -101,81 +103,42 @@ impl DenseLayerGpu {
         let m_pad = m_pad(m, self.precision);
         let dtype = x.dtype;
         let accumulator = Accumulator::dense(self.precision, dtype);
-        let sizes = [
+        let scratch_sizes = [
             m_pad * self.k_pad * self.precision.element_bytes(),
             m_pad * 4,
             m_pad * self.n_pad * accumulator.bytes(),
-            m * self.n * dtype.size(),
         ];
-        ensure_fits(&client, &self.state, sizes.iter().sum(), || {
-            format!("QuantizedLinear forward of {m} tokens")
-        })?;
-        let [codes, token_scales, acc, out] = sizes.map(|bytes| client.empty(bytes));
+        let out_bytes = m * self.n * dtype.size();
+        ensure_fits(
+            &client,
+            &self.state,
+            scratch_sizes.iter().sum::<usize>() + out_bytes,
+            || format!("QuantizedLinear forward of {m} tokens"),
+        )?;
+        let [codes, token_scales, acc] = forward_scratch(&client, &self.state, scratch_sizes)?;
+        let out = client.empty(out_bytes);
         launch_quant_lift(
             &client,
             &x.handle,
-            &codes,
-            &token_scales,
+            &codes.handle,
+            &token_scales.handle,
             (m, m_pad, k, k, self.k_pad),
             0,
             self.precision,
             dtype,
         )?;
-        {
-            let shape = DenseShape {
-                m_pad,
-                n: self.n_pad,
-                k: self.k_pad,
-                precision: self.precision,
-                accumulator,
-            };
-            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.make_current()?;
-            state.dense_gemm()?;
-            let DeviceState {
-                lanes,
-                dense,
-                sync_mode,
-                side,
-                ..
-            } = &mut *state;
-            let (lane, gemm, mode) = (
-                lanes.current(&client)?,
-                dense.as_mut().expect("created above"),
-                *sync_mode,
-            );
-            let p_ws = lane.workspace(&client, WORKSPACE)?;
-            run_ordered(
-                &client,
-                lane,
-                side,
-                mode,
-                (&token_scales, m_pad),
-                |stream| {
-                    // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
-                    let (p_w, p_x, p_acc) = (
-                        ptr(&client, &self.weight)?,
-                        ptr(&client, &codes)?,
-                        ptr(&client, &acc)?,
-                    );
-                    // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
-                    unsafe {
-                        gemm.run(
-                            shape,
-                            p_w,
-                            p_x,
-                            p_acc,
-                            p_ws,
-                            stream as *mut std::ffi::c_void,
-                        )
-                    }
-                },
-            )?;
-        }
+        self.run_gemm(
+            &client,
+            m_pad,
+            accumulator,
+            &codes,
+            &acc,
+            &token_scales.handle,
+        )?;
         launch_epilogue(
             &client,
-            &acc,
-            &token_scales,
+            &acc.handle,
+            &token_scales.handle,
             &self.scale,
             self.bias.as_ref(),
             &out,
@@ -190,5 +153,64 @@ impl DenseLayerGpu {
             out,
             dtype,
         ))
+    }
+
+    /// `acc = X . W^T` through cuBLASLt, ordered on burn's stream like the sparse GEMM and
+    /// replayed from a CUDA graph when `codes` and `acc` are kept buffers.
+    fn run_gemm(
+        &self,
+        client: &ComputeClient<Runtime>,
+        m_pad: usize,
+        accumulator: Accumulator,
+        codes: &ForwardBuffer,
+        acc: &ForwardBuffer,
+        poison: &Handle,
+    ) -> Result<()> {
+        let shape = DenseShape {
+            m_pad,
+            n: self.n_pad,
+            k: self.k_pad,
+            precision: self.precision,
+            accumulator,
+        };
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.make_current()?;
+        state.dense_gemm()?;
+        let DeviceState {
+            lanes,
+            dense,
+            sync_mode,
+            side,
+            use_graphs,
+            ..
+        } = &mut *state;
+        let (lane, gemm, mode) = (
+            lanes.current(client)?,
+            dense.as_mut().expect("created above"),
+            *sync_mode,
+        );
+        let p_ws = lane.workspace(client, WORKSPACE)?;
+        let graph = match (codes.kept_ptr, acc.kept_ptr) {
+            (Some(x), Some(out)) if *use_graphs => Some(GraphKey {
+                call: GemmCall::Dense(shape),
+                pointers: [self.weight.ptr, x, out, 0, p_ws],
+            }),
+            _ => None,
+        };
+        run_ordered(client, lane, side, mode, (poison, m_pad), graph, |stream| {
+            // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
+            let (p_x, p_acc) = (codes.pointer(client)?, acc.pointer(client)?);
+            // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
+            unsafe {
+                gemm.run(
+                    shape,
+                    self.weight.ptr,
+                    p_x,
+                    p_acc,
+                    p_ws,
+                    stream as *mut std::ffi::c_void,
+                )
+            }
+        })
     }
 }

@@ -9,9 +9,11 @@ pub mod cupti;
 pub mod cusparselt;
 pub mod cusparselt_sys;
 pub mod dense;
+pub mod graphs;
 pub mod launch;
 pub mod memory;
 pub mod ordering;
+pub mod scratch;
 pub mod side_kernels;
 pub mod state;
 

@@ -37,6 +37,8 @@ use cudarc::driver::{result as cu, sys};
 
 use super::{
     backend::{Runtime, ptr, sync_burn_stream},
+    graphs::{GemmGraphs, GraphKey},
+    scratch::{KeptBuffer, KeptScratch},
     side_kernels::SideKernels,
 };
 use crate::error::{Result, SlideSparseError};
@@ -82,7 +84,11 @@ pub struct Lane {
     timed_out: Handle,
     timed_out_ptr: u64,
     epoch: u32,
-    workspace: Option<(Handle, u64, usize)>,
+    workspace: KeptBuffer,
+    /// The intermediate buffers of decode-sized forwards, kept across calls.
+    pub scratch: KeptScratch,
+    /// GEMM calls on kept buffers, replayed as CUDA graphs.
+    pub graphs: GemmGraphs,
     /// burn's stream on this thread (as an integer), or why it could not be found; probed on
     /// the first `Stream`-mode GEMM.
     burn_stream: Option<std::result::Result<usize, String>>,
@@ -115,7 +121,9 @@ impl Lane {
             timed_out,
             timed_out_ptr,
             epoch: 0,
-            workspace: None,
+            workspace: KeptBuffer::default(),
+            scratch: KeptScratch::default(),
+            graphs: GemmGraphs::default(),
             burn_stream: None,
         })
     }
@@ -145,20 +153,12 @@ impl Lane {
         }
     }
 
-    /// A workspace of at least `bytes`, kept and reused across calls.
+    /// A workspace of at least `bytes`, kept and reused across calls. (A replaced buffer may
+    /// still be in use by a queued GEMM: only burn's stream can reuse it after its handle
+    /// drops, and every design keeps burn's stream behind the GEMM: same stream, wait
+    /// kernel, or host sync.)
     pub fn workspace(&mut self, client: &Client, bytes: usize) -> Result<u64> {
-        match &self.workspace {
-            Some((_, p, size)) if *size >= bytes => Ok(*p),
-            _ => {
-                let handle = client.empty(bytes.max(256));
-                let p = ptr(client, &handle)?;
-                // The old buffer may still be in use by a queued GEMM: only burn's stream can
-                // reuse it after this handle drops, and every design keeps burn's stream
-                // behind the GEMM (same stream, wait kernel, or host sync).
-                self.workspace = Some((handle, p, bytes.max(256)));
-                Ok(p)
-            }
-        }
+        Ok(self.workspace.at_least(client, bytes)?.1)
     }
 
     fn next_epoch(&mut self, client: &Client) -> Result<u32> {
@@ -170,7 +170,9 @@ impl Lane {
                 .map_err(driver("cuStreamSynchronize"))?;
             *self = Lane {
                 stream: self.stream,
-                workspace: self.workspace.take(),
+                workspace: std::mem::take(&mut self.workspace),
+                scratch: std::mem::take(&mut self.scratch),
+                graphs: std::mem::take(&mut self.graphs),
                 burn_stream: self.burn_stream.take(),
                 ..Lane::new(client)?
             };
@@ -250,32 +252,53 @@ impl<F: FnOnce(sys::CUstream) -> Result<()>> OnDeviceThread<F> {
 
 /// Runs `enqueue(stream)` (a library call) after everything queued on burn's stream, and
 /// makes burn's later work wait for it. `poison` (e.g. the token scales) is filled with NaN
-/// if a `Flags`-mode completion flag never arrives.
+/// if a `Flags`-mode completion flag never arrives. With a `graph` key (every pointer of the
+/// call is stable, see `graphs.rs`) the call is replayed from a CUDA graph captured once.
 pub fn run_ordered(
     client: &Client,
     lane: &mut Lane,
     side: &SideKernels,
     mode: SyncMode,
     poison: (&Handle, usize),
-    enqueue: impl FnOnce(sys::CUstream) -> Result<()>,
+    graph: Option<GraphKey>,
+    enqueue: impl FnMut(sys::CUstream) -> Result<()>,
 ) -> Result<()> {
     let (mode, _fallback_reason) = lane.ordering(client, mode);
+    let epoch = match mode {
+        SyncMode::Flags => lane.next_epoch(client)?,
+        _ => 0,
+    };
+    let graphs = &mut lane.graphs;
+    let call = move |stream: sys::CUstream| match graph {
+        // SAFETY: the key holds every pointer of the call (the caller's contract); the
+        // context is current on the calling thread (cubecl's device thread in `Stream`
+        // mode, the caller's otherwise).
+        Some(key) => unsafe { graphs.run(key, stream, enqueue) },
+        None => {
+            let mut enqueue = enqueue;
+            enqueue(stream)
+        }
+    };
     match mode {
         SyncMode::Stream => {
-            let stream = lane.burn_stream(client).expect("checked by `ordering`") as usize;
-            let job = OnDeviceThread(enqueue);
+            let stream = lane
+                .burn_stream
+                .as_ref()
+                .and_then(|s| s.as_ref().ok())
+                .copied();
+            let stream = stream.expect("checked by `ordering`");
+            let job = OnDeviceThread(call);
             client
                 .exclusive(move || job.run(stream))
                 .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))?
         }
         SyncMode::Host => {
             sync_burn_stream(client)?;
-            enqueue(lane.stream)?;
+            call(lane.stream)?;
             // SAFETY: our stream is valid.
             unsafe { cu::stream::synchronize(lane.stream) }.map_err(driver("cuStreamSynchronize"))
         }
         SyncMode::Flags => {
-            let epoch = lane.next_epoch(client)?;
             let one = CubeCount::Static(1, 1, 1);
             // SAFETY: each flag handle holds one u32; the kernels touch only element 0 (and
             // `poison_len` elements of `poison`, which has at least that many).
@@ -300,7 +323,7 @@ pub fn run_ordered(
                     MAX_SPINS,
                 )?
             };
-            enqueue(lane.stream)?;
+            call(lane.stream)?;
             // SAFETY: as above.
             unsafe { side.signal(lane.stream, lane.done_ptr, epoch)? };
             // SAFETY: as above.

@@ -33,6 +33,9 @@ pub struct DeviceState {
     /// Per-thread streams and flags of the GEMM ordering.
     pub lanes: Lanes,
     pub sync_mode: SyncMode,
+    /// Whether GEMM calls on kept buffers are replayed as CUDA graphs (`graphs.rs`); on by
+    /// default, off with `SLIDESPARSE_GRAPHS=off`.
+    pub use_graphs: bool,
     /// Wait/signal kernels for our streams.
     pub side: SideKernels,
 }
@@ -67,6 +70,7 @@ impl DeviceState {
             dense: None,
             lanes: Lanes::default(),
             sync_mode: SyncMode::from_env(),
+            use_graphs: std::env::var("SLIDESPARSE_GRAPHS").as_deref() != Ok("off"),
             side: SideKernels::new()?,
         })
     }

@@ -1,0 +1,156 @@
+//! Replaying a library GEMM call (cuSPARSELt, cuBLASLt) as a CUDA graph.
+//!
+//! At decode sizes a forward is bound by host work, and the library call is the largest
+//! piece of it: ~15 us for `cusparseLtMatmul` and 10-20 us for `cublasLtMatmul` on the H200
+//! host (`slidesparse-bench host`), against ~3 us to launch a captured graph. A graph bakes
+//! in its pointers, so it is only used when every buffer the call touches has a pointer
+//! that does not change between calls: the layer's weights and scales, and the thread's
+//! kept buffers (`scratch.rs`). The key is the GEMM's shape plus all those pointers: a
+//! graph found under a key does exactly what the call it was captured from would do.
+//!
+//! Capture runs on a stream of the lane's that is used for nothing else, in thread-local
+//! mode, on cubecl's device thread inside `ComputeClient::exclusive` (nothing else runs
+//! there meanwhile). If a capture fails (a library version that does something a capture
+//! forbids), that call runs directly from then on and the reason is kept: a graph is an
+//! optimization, never a requirement.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{result as cu, sys};
+
+use super::{cublaslt::DenseShape, cusparselt::GemmShape};
+use crate::error::{Result, SlideSparseError};
+
+/// The GEMM a graph was captured from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmCall {
+    Sparse(GemmShape),
+    Dense(DenseShape),
+}
+
+/// A GEMM call with all its device pointers (weights, activations, output, scales,
+/// workspace; unused ones 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    pub call: GemmCall,
+    pub pointers: [u64; 5],
+}
+
+/// Graphs kept per lane; beyond this many, all are dropped and recaptured on demand
+/// (a model at decode needs layers x M buckets, a few hundred).
+const MAX_GRAPHS: usize = 4096;
+
+/// A lane's captured GEMM graphs.
+#[derive(Default)]
+pub struct GemmGraphs {
+    /// The graph of each call seen, or `None` where its capture failed (run directly).
+    execs: HashMap<GraphKey, Option<sys::CUgraphExec>>,
+    capture_stream: Option<sys::CUstream>,
+    /// Why the last failed capture failed, if one did.
+    last_failure: Option<String>,
+}
+
+fn driver(what: &'static str) -> impl Fn(cu::DriverError) -> SlideSparseError {
+    move |e| SlideSparseError::Backend(format!("CUDA driver: {what}: {e:?}"))
+}
+
+impl GemmGraphs {
+    /// Why the last capture that failed on this lane failed, if one did.
+    pub fn last_failure(&self) -> Option<&str> {
+        self.last_failure.as_deref()
+    }
+
+    /// How many calls have a graph.
+    pub fn captured(&self) -> usize {
+        self.execs.values().filter(|e| e.is_some()).count()
+    }
+
+    /// Runs `enqueue` on `stream` through the graph of `key`, captured from `enqueue` on
+    /// first use; runs it directly if that capture failed.
+    ///
+    /// # Safety
+    /// `stream` is valid and the context is current; `key` holds every pointer `enqueue`
+    /// passes to the library, and each stays valid while work using it is queued.
+    pub unsafe fn run(
+        &mut self,
+        key: GraphKey,
+        stream: sys::CUstream,
+        mut enqueue: impl FnMut(sys::CUstream) -> Result<()>,
+    ) -> Result<()> {
+        let exec = match self.execs.get(&key) {
+            Some(Some(exec)) => *exec,
+            Some(None) => return enqueue(stream),
+            None => match unsafe { self.capture(&mut enqueue) } {
+                Ok(exec) => {
+                    self.keep(key, Some(exec));
+                    exec
+                }
+                Err(why) => {
+                    self.last_failure = Some(why.to_string());
+                    self.keep(key, None);
+                    return enqueue(stream);
+                }
+            },
+        };
+        // SAFETY: `exec` is a live graph of this context; the caller guarantees `stream`.
+        unsafe { cu::graph::launch(exec, stream) }.map_err(driver("cuGraphLaunch"))
+    }
+
+    /// Captures one `enqueue` into an executable graph.
+    unsafe fn capture(
+        &mut self,
+        enqueue: &mut impl FnMut(sys::CUstream) -> Result<()>,
+    ) -> Result<sys::CUgraphExec> {
+        let stream = match self.capture_stream {
+            Some(s) => s,
+            None => {
+                let s = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+                    .map_err(driver("cuStreamCreate"))?;
+                *self.capture_stream.insert(s)
+            }
+        };
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: our own idle stream.
+        unsafe { cu::stream::begin_capture(stream, mode) }
+            .map_err(driver("cuStreamBeginCapture"))?;
+        let enqueued = enqueue(stream);
+        // Always end the capture, so that the stream is usable whatever happened.
+        // SAFETY: as above.
+        let graph =
+            unsafe { cu::stream::end_capture(stream) }.map_err(driver("cuStreamEndCapture"));
+        enqueued?;
+        let graph = graph?;
+        // SAFETY: `graph` was just captured; it is destroyed once instantiated.
+        let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(driver("cuGraphInstantiate"));
+        // SAFETY: as above.
+        unsafe { cu::graph::destroy(graph) }.map_err(driver("cuGraphDestroy"))?;
+        exec
+    }
+
+    fn keep(&mut self, key: GraphKey, exec: Option<sys::CUgraphExec>) {
+        if self.execs.len() >= MAX_GRAPHS {
+            self.clear();
+        }
+        self.execs.insert(key, exec);
+    }
+
+    /// Destroys every graph. Graph launches already queued keep their resources (CUDA
+    /// defers the release until they complete).
+    fn clear(&mut self) {
+        for exec in self.execs.drain().filter_map(|(_, exec)| exec) {
+            // SAFETY: each exec is live and destroyed once.
+            let _ = unsafe { cu::graph::exec_destroy(exec) };
+        }
+    }
+}
+
+impl Drop for GemmGraphs {
+    fn drop(&mut self) {
+        self.clear();
+        if let Some(stream) = self.capture_stream.take() {
+            // SAFETY: our stream, destroyed once.
+            let _ = unsafe { cu::stream::destroy(stream) };
+        }
+    }
+}
