@@ -47,7 +47,7 @@ pub(crate) const ACT_BYTES: usize = 2;
 /// One SlideSparse layer per pattern.
 type SparseVariants = Vec<(SparsityPattern, SlideSparseLinear<Gpu>)>;
 
-fn random_weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn random_weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
     let mut w = vec![0f32; n * k];
     w.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
         let mut rng = StdRng::seed_from_u64(seed * 7919 + i as u64);

@@ -24,14 +24,15 @@ use cudarc::driver::{result as cu, sys};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
+mod host;
 mod layer;
 mod quant;
 
 #[derive(Parser)]
 struct Args {
-    /// `gemm` (GEMM only, sparse vs dense), `layer` (whole layers and their stages) or
+    /// `gemm` (GEMM only, sparse vs dense), `layer` (whole layers and their stages),
     /// `quant` (the quant+lift kernel's layouts alone, each checked against the row-staged
-    /// kernel's codes).
+    /// kernel's codes) or `host` (the host cost of each piece of a decode forward).
     mode: String,
     #[arg(long, default_value = "16,256,1024,4096,16384")]
     m: String,
@@ -180,7 +181,8 @@ fn main() {
         "gemm" => gemm_bench(&args),
         "layer" => layer::layer_bench(&args),
         "quant" => quant::quant_bench(&args),
-        other => panic!("unknown mode {other}: gemm, layer or quant"),
+        "host" => host::host_bench(&args),
+        other => panic!("unknown mode {other}: gemm, layer, quant or host"),
     }
 }
 
