@@ -35,15 +35,33 @@ pub const MAX_HELD_VECTORS: usize = 16;
 /// lift in cubes of 608 units 0.67 ms, of 256 units three groups each 0.53 ms).
 pub const MAX_UNITS: usize = 512;
 
+/// Cube size of the dense baseline's quantization (`n == 0`) where its row fills it and fits
+/// the register budget. Its groups are only 16 elements, so the general rule's "as few
+/// groups per unit as possible" leaves each unit too little work: measured on the H200
+/// (bf16 rows, M = 16384, `slidesparse-bench quant --patterns dense --units ...`, every
+/// layout byte-checked against the row-staged kernel), INT8 K = 3584 / 4096 / 14336 in
+/// cubes of 128 units 0.066 / 0.073 / 0.181 ms against 0.085 / 0.088 / 0.245 ms (224, 256
+/// and 448 units), FP8 0.098 / 0.099 / 0.281 against 0.112 / 0.120 / 0.376 ms. K = 18944
+/// needs more registers than 128 units hold and keeps the general rule (0.285 ms, the
+/// fastest measured).
+pub const DENSE_UNITS: u32 = 128;
+
 /// Cube size (units) and groups per unit for rows of `k` elements of `elem_bytes`, or `None`
 /// where the row is not whole 16-byte vectors or would need more registers than
 /// [`MAX_HELD_VECTORS`] per unit in a cube of [`MAX_UNITS`] (then the row-staged kernel runs).
 ///
-/// As few groups per unit as cubes of at most [`MAX_UNITS`] allow, in a cube of whole warps
-/// just large enough: measured on the H200 (`slidesparse-bench quant`), a unit handles its
-/// groups one after the other, so fewer groups per unit are faster as long as the cubes
-/// still fit several times per SM.
+/// The dense baseline's long rows take [`DENSE_UNITS`]. Otherwise, as few groups per unit as
+/// cubes of at most [`MAX_UNITS`] allow, in a cube of whole warps just large enough:
+/// measured on the H200 (`slidesparse-bench quant`), a unit handles its groups one after
+/// the other, so fewer groups per unit are faster as long as the cubes still fit several
+/// times per SM (for the lifted rows, whose groups are 24-40 elements).
 pub fn grouped_layout(k: usize, n: u32, elem_bytes: usize) -> Option<(u32, usize)> {
+    if n == 0
+        && k >= DENSE_UNITS as usize * group_input_len(0)
+        && let Some(per_unit) = grouped_layout_with_units(k, 0, elem_bytes, DENSE_UNITS)
+    {
+        return Some((DENSE_UNITS, per_unit));
+    }
     let vector = 16 / elem_bytes;
     let in_len = group_input_len(n);
     if !k.is_multiple_of(vector) || !in_len.is_multiple_of(vector) {
@@ -137,8 +155,12 @@ mod tests {
         assert_eq!(grouped_layout(4096, 4, 2), Some((128, 1)));
         assert_eq!(grouped_layout(14_336, 4, 2), Some((448, 1)));
         assert_eq!(grouped_layout(18_944, 4, 2), Some((320, 2)));
-        assert_eq!(grouped_layout(14_336, 0, 2), Some((448, 2)));
-        assert_eq!(grouped_layout(18_944, 0, 2), Some((416, 3)));
+        // The dense baseline: 128 units where the row fills them and fits.
+        assert_eq!(grouped_layout(3584, 0, 2), Some((128, 2)));
+        assert_eq!(grouped_layout(4096, 0, 2), Some((128, 2)));
+        assert_eq!(grouped_layout(14_336, 0, 2), Some((128, 7)));
+        assert_eq!(grouped_layout(18_944, 0, 2), Some((416, 3)), "20 vectors in 128");
+        assert_eq!(grouped_layout(1024, 0, 2), Some((64, 1)), "short rows: general rule");
         assert_eq!(
             grouped_layout(4098, 4, 2),
             None,
