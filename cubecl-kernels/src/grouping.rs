@@ -159,8 +159,16 @@ mod tests {
         assert_eq!(grouped_layout(3584, 0, 2), Some((128, 2)));
         assert_eq!(grouped_layout(4096, 0, 2), Some((128, 2)));
         assert_eq!(grouped_layout(14_336, 0, 2), Some((128, 7)));
-        assert_eq!(grouped_layout(18_944, 0, 2), Some((416, 3)), "20 vectors in 128");
-        assert_eq!(grouped_layout(1024, 0, 2), Some((64, 1)), "short rows: general rule");
+        assert_eq!(
+            grouped_layout(18_944, 0, 2),
+            Some((416, 3)),
+            "20 vectors in 128"
+        );
+        assert_eq!(
+            grouped_layout(1024, 0, 2),
+            Some((64, 1)),
+            "short rows: general rule"
+        );
         assert_eq!(
             grouped_layout(4098, 4, 2),
             None,
