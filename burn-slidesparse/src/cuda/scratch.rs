@@ -9,6 +9,8 @@
 //! forwards on that thread's stream (cubecl's, or the lane's with a synchronization behind
 //! it), so one forward's kernels finish using a buffer before the next forward's kernels
 //! overwrite it, whichever layer that is. The output is never kept: it is the caller's tensor.
+//! (The opt-in flags ordering breaks that premise, a timed-out wait lets burn's stream run
+//! ahead of a late GEMM, so it allocates per call: `backend::forward_scratch`.)
 
 use cubecl::{prelude::*, server::Handle};
 
