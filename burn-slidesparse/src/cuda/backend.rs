@@ -240,20 +240,15 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
     let client = x.client.clone();
     let dtype = x.dtype;
     let accumulator = Accumulator::sparse(precision, dtype);
-    let scratch_sizes = [
-        m_pad * k_prime * precision.element_bytes(),
-        m_pad * 4,
-        m_pad * n_pad * accumulator.bytes(),
-    ];
-    let out_bytes = m * n * dtype.size();
-    ensure_fits(
+    let ([codes, token_scales, acc], out) = forward_buffers(
         &client,
         &prepared.state,
-        scratch_sizes.iter().sum::<usize>() + out_bytes,
-        || format!("SlideSparseLinear forward of {m} tokens"),
+        (m, m_pad),
+        (k_prime, precision),
+        (n, n_pad, accumulator),
+        dtype,
+        "SlideSparseLinear",
     )?;
-    let [codes, token_scales, acc] = forward_scratch(&client, &prepared.state, scratch_sizes)?;
-    let out = client.empty(out_bytes);
     launch_quant_lift(
         &client,
         &x.handle,
@@ -292,11 +287,40 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
     ))
 }
 
+/// The buffers of one forward of `m` tokens (`m_pad` rows) quantized to `k_out` codes and
+/// multiplied into an `n_pad`-wide accumulator: the intermediate ones (`forward_scratch`)
+/// and a fresh `[m, n]` output of `dtype`, once their total is known to fit
+/// (`ensure_fits`; `layer` names the layer in the error).
+pub fn forward_buffers(
+    client: &Client,
+    state: &Mutex<DeviceState>,
+    (m, m_pad): (usize, usize),
+    (k_out, precision): (usize, Precision),
+    (n, n_pad, accumulator): (usize, usize, Accumulator),
+    dtype: burn::tensor::DType,
+    layer: &'static str,
+) -> Result<(ForwardScratch, Handle)> {
+    let scratch_sizes = [
+        m_pad * k_out * precision.element_bytes(),
+        m_pad * 4,
+        m_pad * n_pad * accumulator.bytes(),
+    ];
+    let out_bytes = m * n * dtype.size();
+    ensure_fits(
+        client,
+        state,
+        scratch_sizes.iter().sum::<usize>() + out_bytes,
+        || format!("{layer} forward of {m} tokens"),
+    )?;
+    let scratch = forward_scratch(client, state, scratch_sizes)?;
+    Ok((scratch, client.empty(out_bytes)))
+}
+
 /// The intermediate buffers `[codes, token scales, accumulator]` of one forward on this
 /// thread: kept across calls at decode sizes (see `scratch.rs`), except under the opt-in
 /// `Flags` ordering, where a timed-out wait lets burn's stream run ahead of a late GEMM, so
 /// the next forward could overwrite what that GEMM still reads: fresh buffers there.
-pub fn forward_scratch(
+fn forward_scratch(
     client: &Client,
     state: &Mutex<DeviceState>,
     sizes: [usize; 3],

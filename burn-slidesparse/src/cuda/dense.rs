@@ -8,7 +8,7 @@ use cubecl::{prelude::*, server::Handle};
 
 use super::{
     accumulator::Accumulator,
-    backend::{Runtime, forward_scratch, m_pad},
+    backend::{Runtime, forward_buffers, m_pad},
     cublaslt::{DenseShape, WORKSPACE},
     graphs::{GemmCall, GraphKey},
     launch::{launch_epilogue, launch_quant_lift},
@@ -103,20 +103,15 @@ impl DenseLayerGpu {
         let m_pad = m_pad(m, self.precision);
         let dtype = x.dtype;
         let accumulator = Accumulator::dense(self.precision, dtype);
-        let scratch_sizes = [
-            m_pad * self.k_pad * self.precision.element_bytes(),
-            m_pad * 4,
-            m_pad * self.n_pad * accumulator.bytes(),
-        ];
-        let out_bytes = m * self.n * dtype.size();
-        ensure_fits(
+        let ([codes, token_scales, acc], out) = forward_buffers(
             &client,
             &self.state,
-            scratch_sizes.iter().sum::<usize>() + out_bytes,
-            || format!("QuantizedLinear forward of {m} tokens"),
+            (m, m_pad),
+            (self.k_pad, self.precision),
+            (self.n, self.n_pad, accumulator),
+            dtype,
+            "QuantizedLinear",
         )?;
-        let [codes, token_scales, acc] = forward_scratch(&client, &self.state, scratch_sizes)?;
-        let out = client.empty(out_bytes);
         launch_quant_lift(
             &client,
             &x.handle,
