@@ -386,13 +386,13 @@ pub fn run_sparse_gemm(
     let plan = plans.get(&shape).expect("built above");
     let lane = lanes.current(client)?;
     let p_ws = lane.workspace(client, plan.workspace)?;
-    let graph = match (codes.kept_ptr, acc.kept_ptr) {
-        (Some(act), Some(out)) if *use_graphs => Some(GraphKey {
-            call: GemmCall::Sparse(shape),
-            pointers: [prepared.compressed.ptr, act, out, prepared.alpha.ptr, p_ws],
-        }),
-        _ => None,
-    };
+    let graph = use_graphs
+        .then(|| {
+            let call = GemmCall::Sparse(shape);
+            let (weight, alpha) = (prepared.compressed.ptr, prepared.alpha.ptr);
+            GraphKey::if_kept(call, weight, (codes, acc), alpha, p_ws)
+        })
+        .flatten();
     run_ordered(client, lane, side, *sync_mode, poison, graph, |stream| {
         let p = pointers(client)?;
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's

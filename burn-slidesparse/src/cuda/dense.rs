@@ -185,13 +185,12 @@ impl DenseLayerGpu {
             *sync_mode,
         );
         let p_ws = lane.workspace(client, WORKSPACE)?;
-        let graph = match (codes.kept_ptr, acc.kept_ptr) {
-            (Some(x), Some(out)) if *use_graphs => Some(GraphKey {
-                call: GemmCall::Dense(shape),
-                pointers: [self.weight.ptr, x, out, 0, p_ws],
-            }),
-            _ => None,
-        };
+        let graph = use_graphs
+            .then(|| {
+                let call = GemmCall::Dense(shape);
+                GraphKey::if_kept(call, self.weight.ptr, (codes, acc), 0, p_ws)
+            })
+            .flatten();
         run_ordered(client, lane, side, mode, (poison, m_pad), graph, |stream| {
             // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
             let (p_x, p_acc) = (codes.pointer(client)?, acc.pointer(client)?);

@@ -18,8 +18,10 @@ use std::collections::HashMap;
 
 use cudarc::driver::{result as cu, sys};
 
-use super::{cublaslt::DenseShape, cusparselt::GemmShape};
-use crate::error::{Result, SlideSparseError};
+use super::{
+    cublaslt::DenseShape, cusparselt::GemmShape, scratch::ForwardBuffer, state::driver_err,
+};
+use crate::error::Result;
 
 /// The GEMM a graph was captured from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -36,6 +38,23 @@ pub struct GraphKey {
     pub pointers: [u64; 5],
 }
 
+impl GraphKey {
+    /// The key of `call` if its activations and output are kept buffers (so every pointer
+    /// is stable), else `None`: the call then runs directly.
+    pub fn if_kept(
+        call: GemmCall,
+        weight: u64,
+        (act, out): (&ForwardBuffer, &ForwardBuffer),
+        alpha: u64,
+        workspace: u64,
+    ) -> Option<Self> {
+        Some(Self {
+            call,
+            pointers: [weight, act.kept_ptr?, out.kept_ptr?, alpha, workspace],
+        })
+    }
+}
+
 /// Graphs kept per lane; beyond this many, all are dropped and recaptured on demand
 /// (a model at decode needs layers x M buckets, a few hundred).
 const MAX_GRAPHS: usize = 4096;
@@ -48,10 +67,6 @@ pub struct GemmGraphs {
     capture_stream: Option<sys::CUstream>,
     /// Why the last failed capture failed, if one did.
     last_failure: Option<String>,
-}
-
-fn driver(what: &'static str) -> impl Fn(cu::DriverError) -> SlideSparseError {
-    move |e| SlideSparseError::Backend(format!("CUDA driver: {what}: {e:?}"))
 }
 
 impl GemmGraphs {
@@ -93,7 +108,7 @@ impl GemmGraphs {
             },
         };
         // SAFETY: `exec` is a live graph of this context; the caller guarantees `stream`.
-        unsafe { cu::graph::launch(exec, stream) }.map_err(driver("cuGraphLaunch"))
+        unsafe { cu::graph::launch(exec, stream) }.map_err(driver_err("cuGraphLaunch"))
     }
 
     /// Captures one `enqueue` into an executable graph.
@@ -105,26 +120,26 @@ impl GemmGraphs {
             Some(s) => s,
             None => {
                 let s = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-                    .map_err(driver("cuStreamCreate"))?;
+                    .map_err(driver_err("cuStreamCreate"))?;
                 *self.capture_stream.insert(s)
             }
         };
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: our own idle stream.
         unsafe { cu::stream::begin_capture(stream, mode) }
-            .map_err(driver("cuStreamBeginCapture"))?;
+            .map_err(driver_err("cuStreamBeginCapture"))?;
         let enqueued = enqueue(stream);
         // Always end the capture, so that the stream is usable whatever happened.
         // SAFETY: as above.
         let graph =
-            unsafe { cu::stream::end_capture(stream) }.map_err(driver("cuStreamEndCapture"));
+            unsafe { cu::stream::end_capture(stream) }.map_err(driver_err("cuStreamEndCapture"));
         enqueued?;
         let graph = graph?;
         // SAFETY: `graph` was just captured; it is destroyed once instantiated.
         let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-            .map_err(driver("cuGraphInstantiate"));
+            .map_err(driver_err("cuGraphInstantiate"));
         // SAFETY: as above.
-        unsafe { cu::graph::destroy(graph) }.map_err(driver("cuGraphDestroy"))?;
+        unsafe { cu::graph::destroy(graph) }.map_err(driver_err("cuGraphDestroy"))?;
         exec
     }
 

@@ -40,6 +40,7 @@ use super::{
     graphs::{GemmGraphs, GraphKey},
     scratch::{KeptBuffer, KeptScratch},
     side_kernels::SideKernels,
+    state::driver_err,
 };
 use crate::error::{Result, SlideSparseError};
 
@@ -94,14 +95,10 @@ pub struct Lane {
     burn_stream: Option<std::result::Result<usize, String>>,
 }
 
-fn driver(what: &'static str) -> impl Fn(cu::DriverError) -> SlideSparseError {
-    move |e| SlideSparseError::Backend(format!("CUDA driver: {what}: {e:?}"))
-}
-
 impl Lane {
     fn new(client: &Client) -> Result<Self> {
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-            .map_err(driver("cuStreamCreate"))?;
+            .map_err(driver_err("cuStreamCreate"))?;
         let ready = client.create_from_slice(&[0; 4]);
         let done = client.create_from_slice(&[0; 4]);
         let timed_out = client.create_from_slice(&[0; 4]);
@@ -167,7 +164,7 @@ impl Lane {
             sync_burn_stream(client)?;
             // SAFETY: our stream is valid.
             unsafe { cu::stream::synchronize(self.stream) }
-                .map_err(driver("cuStreamSynchronize"))?;
+                .map_err(driver_err("cuStreamSynchronize"))?;
             *self = Lane {
                 stream: self.stream,
                 workspace: std::mem::take(&mut self.workspace),
@@ -264,9 +261,11 @@ pub fn run_ordered(
     enqueue: impl FnMut(sys::CUstream) -> Result<()>,
 ) -> Result<()> {
     let (mode, _fallback_reason) = lane.ordering(client, mode);
-    let epoch = match mode {
-        SyncMode::Flags => lane.next_epoch(client)?,
-        _ => 0,
+    // Per-mode lane state, taken before `call` borrows the lane's graphs.
+    let (burn_stream, epoch) = match mode {
+        SyncMode::Stream => (lane.burn_stream(client).ok(), 0),
+        SyncMode::Flags => (None, lane.next_epoch(client)?),
+        SyncMode::Host => (None, 0),
     };
     let graphs = &mut lane.graphs;
     let call = move |stream: sys::CUstream| match graph {
@@ -281,12 +280,7 @@ pub fn run_ordered(
     };
     match mode {
         SyncMode::Stream => {
-            let stream = lane
-                .burn_stream
-                .as_ref()
-                .and_then(|s| s.as_ref().ok())
-                .copied();
-            let stream = stream.expect("checked by `ordering`");
+            let stream = burn_stream.expect("checked by `ordering`") as usize;
             let job = OnDeviceThread(call);
             client
                 .exclusive(move || job.run(stream))
@@ -296,7 +290,8 @@ pub fn run_ordered(
             sync_burn_stream(client)?;
             call(lane.stream)?;
             // SAFETY: our stream is valid.
-            unsafe { cu::stream::synchronize(lane.stream) }.map_err(driver("cuStreamSynchronize"))
+            unsafe { cu::stream::synchronize(lane.stream) }
+                .map_err(driver_err("cuStreamSynchronize"))
         }
         SyncMode::Flags => {
             let one = CubeCount::Static(1, 1, 1);

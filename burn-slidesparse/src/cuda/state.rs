@@ -44,7 +44,8 @@ pub struct DeviceState {
 // with the context made current on the calling thread first.
 unsafe impl Send for DeviceState {}
 
-fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> SlideSparseError + '_ {
+/// Maps a CUDA driver error of the call `what` to a backend error.
+pub(super) fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> SlideSparseError + '_ {
     move |e| SlideSparseError::Backend(format!("CUDA driver: {what}: {e:?}"))
 }
 

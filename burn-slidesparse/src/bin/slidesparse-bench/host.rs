@@ -18,7 +18,7 @@ use burn_slidesparse::{
         accumulator::Accumulator,
         backend::{m_pad, run_sparse_gemm},
         cublaslt::{DenseShape, WORKSPACE},
-        cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
+        cusparselt::{self, GemmPointers, GemmShape},
         dense::DenseLayerGpu,
         launch::{launch_epilogue, launch_quant_lift},
         scratch::ForwardBuffer,
@@ -31,8 +31,8 @@ use cubecl::{CubeCount, CubeDim, Runtime, cuda::CudaRuntime, prelude::*};
 use cubecl_kernels::stream_sync::signal_kernel;
 
 use super::{
-    Args, Buf, SPARSE_WORKSPACE, layer::Gpu, make_2_4, model_shapes, parse_list, random_codes,
-    sweep,
+    Args, Buf, SPARSE_WORKSPACE, compressed_2_4_weight, layer::Gpu, model_shapes, parse_list,
+    random_codes, search_if_needed, sweep,
 };
 
 /// Median (enqueue, wall) microseconds per call of `f` run `reps` times back to back.
@@ -280,15 +280,7 @@ fn library_calls(
     let alpha = Buf::upload(&burn_slidesparse::format::f32_bytes(&vec![1.0; n]));
     let x = Buf::upload(&random_codes(m_pad * k_prime.max(k), precision, 5));
     let out = Buf::new(m_pad * n * 4);
-    let mut codes = random_codes(n * k_prime, precision, 2);
-    make_2_4(&mut codes, k_prime, 1, 3);
-    let w = Buf::upload(&codes);
-    let desc = MatDescriptor::structured(&st.lt, k_prime, n, precision).unwrap();
-    let sizes = cusparselt::compressed_sizes(&st.lt, &desc).unwrap();
-    let (comp, buf) = (Buf::new(sizes.compressed), Buf::new(sizes.buffer));
-    unsafe { cusparselt::compress(&st.lt, &desc, w.0, comp.0, buf.0, stream as _).unwrap() };
-    st.synchronize().unwrap();
-    desc.destroy(&st.lt).unwrap();
+    let comp = compressed_2_4_weight(&st, n, k_prime, precision);
     let shape = GemmShape {
         m_pad,
         n_pad: n,
@@ -302,13 +294,7 @@ fn library_calls(
         out: out.0,
         alpha: alpha.0,
     };
-    if st.needs_search(&shape) {
-        let lt = &st.lt as *const _;
-        let plan = st.plan(shape).unwrap();
-        // SAFETY: `lt` outlives this call; plan and handle are distinct fields.
-        let id = unsafe { plan.search(&*lt, p, workspace.0, stream as _) }.unwrap();
-        st.remember(&shape, id);
-    }
+    search_if_needed(&mut st, shape, p, workspace.0);
     let lt = &st.lt as *const _;
     let plan = st.plan(shape).unwrap() as *const cusparselt::SparsePlan;
     // SAFETY: live buffers of the plan's sizes; the plan and handle outlive the calls.

@@ -15,7 +15,7 @@ use burn_slidesparse::{
         accumulator::Accumulator,
         cublaslt::{DenseShape, WORKSPACE},
         cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
-        state::device_state,
+        state::{DeviceState, device_state},
     },
     format::f32_bytes,
 };
@@ -166,6 +166,33 @@ impl Events {
     }
 }
 
+/// A random valid 2:4 weight `[n, k_prime]` of `precision`, compressed for cuSPARSELt.
+fn compressed_2_4_weight(st: &DeviceState, n: usize, k_prime: usize, precision: Precision) -> Buf {
+    let mut codes = random_codes(n * k_prime, precision, 2);
+    make_2_4(&mut codes, k_prime, precision.element_bytes(), 3);
+    let w = Buf::upload(&codes);
+    let desc = MatDescriptor::structured(&st.lt, k_prime, n, precision).unwrap();
+    let sizes = cusparselt::compressed_sizes(&st.lt, &desc).unwrap();
+    let (comp, buf) = (Buf::new(sizes.compressed), Buf::new(sizes.buffer));
+    // SAFETY: buffers of the sizes cuSPARSELt asked for, alive until the sync below.
+    unsafe { cusparselt::compress(&st.lt, &desc, w.0, comp.0, buf.0, st.stream as _).unwrap() };
+    st.synchronize().unwrap();
+    desc.destroy(&st.lt).unwrap();
+    comp
+}
+
+/// Runs `MatmulSearch` on our stream for a shape whose bucket has no remembered algorithm.
+fn search_if_needed(st: &mut DeviceState, shape: GemmShape, p: GemmPointers, workspace: u64) {
+    if st.needs_search(&shape) {
+        let (lt, stream) = (&st.lt as *const _, st.stream);
+        let plan = st.plan(shape).unwrap();
+        // SAFETY: `lt` outlives this call; plan and handle are distinct fields; the buffers
+        // of `p` and the workspace are live.
+        let id = unsafe { plan.search(&*lt, p, workspace, stream as _) }.unwrap();
+        st.remember(&shape, id);
+    }
+}
+
 /// Workspace for cuSPARSELt search and runs.
 const SPARSE_WORKSPACE: usize = 256 << 20;
 
@@ -237,19 +264,7 @@ fn gemm_bench(args: &Args) {
                 let mut sparse_w = Vec::new();
                 for &pattern in &patterns {
                     let kp = pattern.geometry(k, 64).k_prime();
-                    let mut codes = random_codes(n * kp, precision, 2);
-                    make_2_4(&mut codes, kp, elem, 3);
-                    let w = Buf::upload(&codes);
-                    let desc = MatDescriptor::structured(&st.lt, kp, n, precision).unwrap();
-                    let sizes = cusparselt::compressed_sizes(&st.lt, &desc).unwrap();
-                    let (comp, buf) = (Buf::new(sizes.compressed), Buf::new(sizes.buffer));
-                    unsafe {
-                        cusparselt::compress(&st.lt, &desc, w.0, comp.0, buf.0, stream as _)
-                            .unwrap()
-                    };
-                    st.synchronize().unwrap();
-                    desc.destroy(&st.lt).unwrap();
-                    sparse_w.push((kp, comp));
+                    sparse_w.push((kp, compressed_2_4_weight(&st, n, kp, precision)));
                 }
                 for &m in &ms {
                     let m_pad = m.next_multiple_of(16);
@@ -291,26 +306,13 @@ fn gemm_bench(args: &Args) {
                             precision,
                             accumulator: sparse_acc,
                         };
-                        if st.needs_search(&shape) {
-                            let lt = &st.lt as *const _;
-                            let plan = st.plan(shape).unwrap();
-                            // SAFETY: `lt` outlives this call; plan and handle are distinct fields.
-                            let id = unsafe {
-                                plan.search(
-                                    &*lt,
-                                    GemmPointers {
-                                        weight: comp.0,
-                                        act: xs[0].0,
-                                        out: out.0,
-                                        alpha: alpha.0,
-                                    },
-                                    workspace.0,
-                                    stream as _,
-                                )
-                            }
-                            .unwrap();
-                            st.remember(&shape, id);
-                        }
+                        let p = GemmPointers {
+                            weight: comp.0,
+                            act: xs[0].0,
+                            out: out.0,
+                            alpha: alpha.0,
+                        };
+                        search_if_needed(&mut st, shape, p, workspace.0);
                         let lt = &st.lt as *const _;
                         let plan = st.plan(shape).unwrap();
                         assert!(
