@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|model] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|model] [extra args...]
 # (`model` runs the model_throughput example; `quant` the quant+lift layouts alone; `host` the
-# host cost of each piece of a decode forward; `all` runs
+# host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
+# and device time; `all` runs
 # tests, gemm and layer.)
 set -u
 OUT=${OUT:-/tmp/slidesparse-out}
@@ -38,8 +39,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "gpu tests exit code: $?"
   grep -E "^test |test result|panicked|rel err|error" "$OUT/gpu-tests.log" | tail -30
 fi
-for mode in gemm layer quant host; do
-  if { [ "$what" = all ] && [ $mode != quant ] && [ $mode != host ]; } || [ "$what" = $mode ]; then
+for mode in gemm layer quant host decode; do
+  if { [ "$what" = all ] && [ $mode != quant ] && [ $mode != host ] && [ $mode != decode ]; } || [ "$what" = $mode ]; then
     ./gpu-bin/slidesparse-bench $mode --json "$OUT/$mode.json" "$@" > "$OUT/$mode.md" 2> "$OUT/$mode.err"
     echo "$mode bench exit code: $?"
     tail -3 "$OUT/$mode.err"

@@ -1095,3 +1095,55 @@ fn flag_waits_time_out_instead_of_hanging() {
     let record = client.read_one(timed_out).unwrap();
     assert_eq!(u32::from_le_bytes(record[..4].try_into().unwrap()), 9);
 }
+
+/// Forwards enqueued behind a closed stream gate (the decode benchmark's device timing) run
+/// once it opens and give the same bits as forwards run without it; a host sync behind a
+/// closed gate is an error once the spin gives up, never a hang, and the device keeps
+/// working after it.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn gated_forwards_are_bit_identical_and_a_sync_behind_the_gate_is_an_error() {
+    use burn::tensor::backend::Backend;
+    use burn_slidesparse::cuda::gate::StreamGate;
+    let device = Default::default();
+    let client = CudaRuntime::client(&device);
+    let mut rng = rng(120);
+    let (n, k) = (3000, 2048);
+    let (w, b) = (random_f32(&mut rng, n * k), random_f32(&mut rng, n));
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    let packed = pack_linear("w", &w, n, k, Some(&b), &options).unwrap().0;
+    let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
+    let xs: Vec<Tensor<Gpu, 2>> = [1, 16, 64, 7, 16, 1]
+        .iter()
+        .map(|&m| on_gpu::<Gpu, 2>(random_f32(&mut rng, m * k), [m, k], DType::F32))
+        .collect();
+    let read = |y: Tensor<Gpu, 2>| y.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+    let ungated: Vec<Vec<f32>> = xs.iter().map(|x| read(layer.forward(x.clone()))).collect();
+
+    let mut gate = StreamGate::new(0).unwrap();
+    for round in 0..3 {
+        gate.close(&client).unwrap();
+        let ys: Vec<_> = xs.iter().map(|x| layer.forward(x.clone())).collect();
+        let ms = gate.open_and_time(&client).unwrap();
+        assert!(
+            ms > 0.0 && ms.is_finite(),
+            "round {round}: device time {ms} ms"
+        );
+        for (i, (y, expected)) in ys.into_iter().zip(&ungated).enumerate() {
+            assert_eq!(&read(y), expected, "round {round}, forward {i}");
+        }
+    }
+
+    let mut short = StreamGate::with_spin_budget(0, 100_000).unwrap();
+    short.close(&client).unwrap();
+    let y = layer.forward(xs[1].clone());
+    Gpu::sync(&device).unwrap();
+    let err = short.open_and_time(&client).unwrap_err().to_string();
+    assert!(err.contains("spin gave up"), "{err}");
+    assert_eq!(
+        &read(y),
+        &ungated[1],
+        "the forward behind the gate still ran"
+    );
+    assert_eq!(&read(layer.forward(xs[0].clone())), &ungated[0]);
+}

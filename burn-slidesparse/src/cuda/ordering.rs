@@ -73,7 +73,7 @@ impl SyncMode {
 }
 
 /// Polls of the wait kernel before it declares a timeout (seconds on an H200).
-const MAX_SPINS: u32 = 1 << 26;
+pub(crate) const MAX_SPINS: u32 = 1 << 26;
 
 /// Per-thread stream, flags and reusable workspace.
 pub struct Lane {
@@ -126,7 +126,10 @@ impl Lane {
     }
 
     /// burn's stream on this thread, probed once.
-    fn burn_stream(&mut self, client: &Client) -> std::result::Result<sys::CUstream, &str> {
+    pub(crate) fn burn_stream(
+        &mut self,
+        client: &Client,
+    ) -> std::result::Result<sys::CUstream, &str> {
         let found = self.burn_stream.get_or_insert_with(|| {
             probe_burn_stream(client)
                 .map(|s| s as usize)
@@ -247,6 +250,21 @@ impl<F: FnOnce(sys::CUstream) -> Result<()>> OnDeviceThread<F> {
     }
 }
 
+/// Runs `enqueue(burn_stream)` on cubecl's device thread, after every launch queued before
+/// it, and returns when it has run: work it enqueues on `burn_stream` (this thread's burn
+/// stream) is ordered exactly where the call stands in the program.
+pub(crate) fn on_burn_stream(
+    client: &Client,
+    burn_stream: sys::CUstream,
+    enqueue: impl FnOnce(sys::CUstream) -> Result<()>,
+) -> Result<()> {
+    let stream = burn_stream as usize;
+    let job = OnDeviceThread(enqueue);
+    client
+        .exclusive(move || job.run(stream))
+        .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))?
+}
+
 /// Runs `enqueue(stream)` (a library call) after everything queued on burn's stream, and
 /// makes burn's later work wait for it. `poison` (e.g. the token scales) is filled with NaN
 /// if a `Flags`-mode completion flag never arrives. With a `graph` key (every pointer of the
@@ -280,11 +298,7 @@ pub fn run_ordered(
     };
     match mode {
         SyncMode::Stream => {
-            let stream = burn_stream.expect("checked by `ordering`") as usize;
-            let job = OnDeviceThread(call);
-            client
-                .exclusive(move || job.run(stream))
-                .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))?
+            on_burn_stream(client, burn_stream.expect("checked by `ordering`"), call)
         }
         SyncMode::Host => {
             sync_burn_stream(client)?;

@@ -24,6 +24,7 @@ use cudarc::driver::{result as cu, sys};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
+mod decode;
 mod host;
 mod layer;
 mod quant;
@@ -32,7 +33,8 @@ mod quant;
 struct Args {
     /// `gemm` (GEMM only, sparse vs dense), `layer` (whole layers and their stages),
     /// `quant` (the quant+lift kernel's layouts alone, each checked against the row-staged
-    /// kernel's codes) or `host` (the host cost of each piece of a decode forward).
+    /// kernel's codes), `host` (the host cost of each piece of a decode forward) or `decode`
+    /// (a whole block at decode sizes: wall time and device time with the host taken out).
     mode: String,
     #[arg(long, default_value = "16,256,1024,4096,16384")]
     m: String,
@@ -209,7 +211,8 @@ fn main() {
         "layer" => layer::layer_bench(&args),
         "quant" => quant::quant_bench(&args),
         "host" => host::host_bench(&args),
-        other => panic!("unknown mode {other}: gemm, layer, quant or host"),
+        "decode" => decode::decode_bench(&args),
+        other => panic!("unknown mode {other}: gemm, layer, quant, host or decode"),
     }
 }
 
