@@ -389,11 +389,10 @@ struct DefaultOrderingOnDrop;
 
 impl Drop for DefaultOrderingOnDrop {
     fn drop(&mut self) {
-        use burn_slidesparse::cuda::{ordering::SyncMode, state::device_state};
+        use burn_slidesparse::cuda::state::device_state;
         if let Ok(state) = device_state(0) {
             let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-            state.sync_mode = SyncMode::from_env();
-            state.use_graphs = std::env::var("SLIDESPARSE_GRAPHS").as_deref() != Ok("off");
+            state.restore_default_settings();
         }
     }
 }
@@ -528,12 +527,13 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
         })
         .collect();
     let steps: Vec<usize> = ms.iter().flat_map(|&m| [m, m]).collect();
-    let run = |graphs: bool| {
+    let run = |graphs: bool, queued: bool| {
         {
             let state = device_state(0).unwrap();
             let mut state = state.lock().unwrap();
             state.sync_mode = SyncMode::Stream;
             state.use_graphs = graphs;
+            state.queue_replays = queued;
         }
         // Everything queued back to back; read at the end.
         let mut outputs = Vec::new();
@@ -553,8 +553,10 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
             .map(|y| y.into_data().convert::<f32>().into_vec::<f32>().unwrap())
             .collect::<Vec<_>>()
     };
-    let direct = run(false);
-    let replayed = run(true);
+    let direct = run(false, false);
+    // Captures (and blocking replays), then replays queued on cubecl's device thread.
+    let blocking = run(true, false);
+    let replayed = run(true, true);
     let state = device_state(0).unwrap();
     let mut state = state.lock().unwrap();
     let graphs = &state.lanes.current(&client).unwrap().graphs;
@@ -576,7 +578,11 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     for (step, (&m, xs)) in steps.iter().zip(&inputs).enumerate() {
         for (i, x) in xs.iter().enumerate() {
             let at = step * 4 + i;
-            assert_eq!(direct[at], replayed[at], "step {step} (M = {m}) layer {i}");
+            assert_eq!(direct[at], blocking[at], "step {step} (M = {m}) layer {i}");
+            assert_eq!(
+                direct[at], replayed[at],
+                "step {step} (M = {m}) layer {i} (queued)"
+            );
             let k = x.len() / m;
             let expected = if i < 3 {
                 let xc = Tensor::<Cpu, 2>::from_data(
@@ -596,7 +602,7 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
         }
     }
     println!(
-        "graph replay: {} forwards bit-identical to direct calls, {captured} graphs, worst rel err vs reference {worst:.2e}",
+        "graph replay: {} forwards, blocking and queued, bit-identical to direct calls, {captured} graphs, worst rel err vs reference {worst:.2e}",
         direct.len()
     );
 }

@@ -25,7 +25,7 @@ use super::{
     cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
     cusparselt_sys::Stream,
     dense::DenseLayerGpu,
-    graphs::{GemmCall, GraphKey},
+    graphs::{GemmCall, GraphKey, Replay},
     launch::{launch_epilogue, launch_quant_lift},
     memory::ensure_fits,
     ordering::{SyncMode, run_ordered},
@@ -265,7 +265,7 @@ fn forward_impl(x: CubeTensor<Runtime>, prepared: &CudaPrepared) -> Result<CubeT
         &codes,
         &acc,
         (m_pad, accumulator),
-        (&token_scales.handle, m_pad),
+        (&token_scales, m_pad),
     )?;
     launch_epilogue(
         &client,
@@ -346,7 +346,7 @@ pub fn run_sparse_gemm(
     codes: &ForwardBuffer,
     acc: &ForwardBuffer,
     (m_pad, accumulator): (usize, Accumulator),
-    poison: (&Handle, usize),
+    poison: (&ForwardBuffer, usize),
 ) -> Result<()> {
     let shape = GemmShape {
         m_pad,
@@ -381,19 +381,23 @@ pub fn run_sparse_gemm(
         sync_mode,
         side,
         use_graphs,
+        queue_replays,
         ..
     } = &mut *state;
     let plan = plans.get(&shape).expect("built above");
     let lane = lanes.current(client)?;
     let p_ws = lane.workspace(client, plan.workspace)?;
-    let graph = use_graphs
-        .then(|| {
-            let call = GemmCall::Sparse(shape);
-            let (weight, alpha) = (prepared.compressed.ptr, prepared.alpha.ptr);
-            GraphKey::if_kept(call, weight, (codes, acc), alpha, p_ws)
-        })
-        .flatten();
-    run_ordered(client, lane, side, *sync_mode, poison, graph, |stream| {
+    let replay = Replay {
+        key: use_graphs
+            .then(|| {
+                let call = GemmCall::Sparse(shape);
+                let (weight, alpha) = (prepared.compressed.ptr, prepared.alpha.ptr);
+                GraphKey::if_kept(call, weight, (codes, acc), alpha, p_ws)
+            })
+            .flatten(),
+        queued: *queue_replays,
+    };
+    run_ordered(client, lane, side, *sync_mode, poison, replay, |stream| {
         let p = pointers(client)?;
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's
         // stream (which owns their reuse) behind the GEMM.

@@ -10,7 +10,7 @@ use super::{
     accumulator::Accumulator,
     backend::{Runtime, forward_buffers, m_pad},
     cublaslt::{DenseShape, WORKSPACE},
-    graphs::{GemmCall, GraphKey},
+    graphs::{GemmCall, GraphKey, Replay},
     launch::{launch_epilogue, launch_quant_lift},
     memory::ensure_fits,
     ordering::run_ordered,
@@ -122,14 +122,7 @@ impl DenseLayerGpu {
             self.precision,
             dtype,
         )?;
-        self.run_gemm(
-            &client,
-            m_pad,
-            accumulator,
-            &codes,
-            &acc,
-            &token_scales.handle,
-        )?;
+        self.run_gemm(&client, m_pad, accumulator, &codes, &acc, &token_scales)?;
         launch_epilogue(
             &client,
             &acc.handle,
@@ -159,7 +152,7 @@ impl DenseLayerGpu {
         accumulator: Accumulator,
         codes: &ForwardBuffer,
         acc: &ForwardBuffer,
-        poison: &Handle,
+        poison: &ForwardBuffer,
     ) -> Result<()> {
         let shape = DenseShape {
             m_pad,
@@ -177,6 +170,7 @@ impl DenseLayerGpu {
             sync_mode,
             side,
             use_graphs,
+            queue_replays,
             ..
         } = &mut *state;
         let (lane, gemm, mode) = (
@@ -185,26 +179,37 @@ impl DenseLayerGpu {
             *sync_mode,
         );
         let p_ws = lane.workspace(client, WORKSPACE)?;
-        let graph = use_graphs
-            .then(|| {
-                let call = GemmCall::Dense(shape);
-                GraphKey::if_kept(call, self.weight.ptr, (codes, acc), 0, p_ws)
-            })
-            .flatten();
-        run_ordered(client, lane, side, mode, (poison, m_pad), graph, |stream| {
-            // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
-            let (p_x, p_acc) = (codes.pointer(client)?, acc.pointer(client)?);
-            // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
-            unsafe {
-                gemm.run(
-                    shape,
-                    self.weight.ptr,
-                    p_x,
-                    p_acc,
-                    p_ws,
-                    stream as *mut std::ffi::c_void,
-                )
-            }
-        })
+        let replay = Replay {
+            key: use_graphs
+                .then(|| {
+                    let call = GemmCall::Dense(shape);
+                    GraphKey::if_kept(call, self.weight.ptr, (codes, acc), 0, p_ws)
+                })
+                .flatten(),
+            queued: *queue_replays,
+        };
+        run_ordered(
+            client,
+            lane,
+            side,
+            mode,
+            (poison, m_pad),
+            replay,
+            |stream| {
+                // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
+                let (p_x, p_acc) = (codes.pointer(client)?, acc.pointer(client)?);
+                // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the GEMM.
+                unsafe {
+                    gemm.run(
+                        shape,
+                        self.weight.ptr,
+                        p_x,
+                        p_acc,
+                        p_ws,
+                        stream as *mut std::ffi::c_void,
+                    )
+                }
+            },
+        )
     }
 }

@@ -19,7 +19,8 @@ use cudarc::driver::{result as cu, sys};
 
 use super::{
     backend::Runtime,
-    ordering::{MAX_SPINS, on_burn_stream},
+    device_thread::on_burn_stream,
+    ordering::MAX_SPINS,
     state::{DeviceState, device_state, driver_err},
 };
 use crate::error::{Result, SlideSparseError};

@@ -12,7 +12,8 @@
 //! mode, on cubecl's device thread inside `ComputeClient::exclusive` (nothing else runs
 //! there meanwhile). If a capture fails (a library version that does something a capture
 //! forbids), that call runs directly from then on and the reason is kept: a graph is an
-//! optimization, never a requirement.
+//! optimization, never a requirement. Once captured, a graph's launch is normally queued on
+//! cubecl's device thread without waiting for it (`device_thread.rs`).
 
 use std::collections::HashMap;
 
@@ -55,6 +56,16 @@ impl GraphKey {
     }
 }
 
+/// How a GEMM call is replayed.
+#[derive(Clone, Copy, Debug)]
+pub struct Replay {
+    /// The key of the call's graph, or `None` to run the call directly.
+    pub key: Option<GraphKey>,
+    /// Launch an already captured graph from cubecl's task queue without waiting for the
+    /// device thread (`device_thread.rs`), in the `Stream` ordering.
+    pub queued: bool,
+}
+
 /// Graphs kept per lane; beyond this many, all are dropped and recaptured on demand
 /// (a model at decode needs layers x M buckets, a few hundred).
 const MAX_GRAPHS: usize = 4096;
@@ -73,6 +84,11 @@ impl GemmGraphs {
     /// Why the last capture that failed on this lane failed, if one did.
     pub fn last_failure(&self) -> Option<&str> {
         self.last_failure.as_deref()
+    }
+
+    /// The graph captured for `key`, if there is one.
+    pub fn captured_exec(&self, key: &GraphKey) -> Option<sys::CUgraphExec> {
+        self.execs.get(key).copied().flatten()
     }
 
     /// How many calls have a graph.
@@ -150,8 +166,11 @@ impl GemmGraphs {
         self.execs.insert(key, exec);
     }
 
-    /// Destroys every graph. Graph launches already queued keep their resources (CUDA
-    /// defers the release until they complete).
+    /// Destroys every graph. Graph launches already issued keep their resources (CUDA
+    /// defers the release until they complete). Launches still in cubecl's task queue
+    /// (`device_thread.rs`) hold an exec by pointer, so this runs only where every task
+    /// queued before it has run: on cubecl's device thread (a capture in `Stream` mode) or
+    /// after a sync of burn's stream (`Host` mode); `Flags` mode replays nothing.
     fn clear(&mut self) {
         for exec in self.execs.drain().filter_map(|(_, exec)| exec) {
             // SAFETY: each exec is live and destroyed once.

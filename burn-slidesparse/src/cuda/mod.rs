@@ -9,6 +9,7 @@ pub mod cupti;
 pub mod cusparselt;
 pub mod cusparselt_sys;
 pub mod dense;
+pub mod device_thread;
 pub mod gate;
 pub mod graphs;
 pub mod launch;

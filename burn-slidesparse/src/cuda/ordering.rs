@@ -37,8 +37,9 @@ use cudarc::driver::{result as cu, sys};
 
 use super::{
     backend::{Runtime, ptr, sync_burn_stream},
-    graphs::{GemmGraphs, GraphKey},
-    scratch::{KeptBuffer, KeptScratch},
+    device_thread::{GraphLauncher, on_burn_stream},
+    graphs::{GemmGraphs, Replay},
+    scratch::{ForwardBuffer, KeptBuffer, KeptScratch},
     side_kernels::SideKernels,
     state::driver_err,
 };
@@ -75,30 +76,18 @@ impl SyncMode {
 /// Polls of the wait kernel before it declares a timeout (seconds on an H200).
 pub(crate) const MAX_SPINS: u32 = 1 << 26;
 
-/// Per-thread stream, flags and reusable workspace.
-pub struct Lane {
-    pub stream: sys::CUstream,
+/// The device flags of the `Flags` design (zeroed when made).
+struct Flags {
     ready: Handle,
     ready_ptr: u64,
     done: Handle,
     done_ptr: u64,
     timed_out: Handle,
     timed_out_ptr: u64,
-    epoch: u32,
-    workspace: KeptBuffer,
-    /// The intermediate buffers of decode-sized forwards, kept across calls.
-    pub scratch: KeptScratch,
-    /// GEMM calls on kept buffers, replayed as CUDA graphs.
-    pub graphs: GemmGraphs,
-    /// burn's stream on this thread (as an integer), or why it could not be found; probed on
-    /// the first `Stream`-mode GEMM.
-    burn_stream: Option<std::result::Result<usize, String>>,
 }
 
-impl Lane {
+impl Flags {
     fn new(client: &Client) -> Result<Self> {
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-            .map_err(driver_err("cuStreamCreate"))?;
         let ready = client.create_from_slice(&[0; 4]);
         let done = client.create_from_slice(&[0; 4]);
         let timed_out = client.create_from_slice(&[0; 4]);
@@ -110,17 +99,45 @@ impl Lane {
         // The flags must hold their zeros before our stream ever waits on them.
         sync_burn_stream(client)?;
         Ok(Self {
-            stream,
             ready,
             ready_ptr,
             done,
             done_ptr,
             timed_out,
             timed_out_ptr,
+        })
+    }
+}
+
+/// Per-thread stream, flags and reusable workspace.
+pub struct Lane {
+    pub stream: sys::CUstream,
+    flags: Flags,
+    epoch: u32,
+    workspace: KeptBuffer,
+    /// The intermediate buffers of decode-sized forwards, kept across calls.
+    pub scratch: KeptScratch,
+    /// GEMM calls on kept buffers, replayed as CUDA graphs.
+    pub graphs: GemmGraphs,
+    /// Queues replays of captured graphs on cubecl's device thread without waiting.
+    launcher: GraphLauncher,
+    /// burn's stream on this thread (as an integer), or why it could not be found; probed on
+    /// the first `Stream`-mode GEMM.
+    burn_stream: Option<std::result::Result<usize, String>>,
+}
+
+impl Lane {
+    fn new(client: &Client, device_index: usize) -> Result<Self> {
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(driver_err("cuStreamCreate"))?;
+        Ok(Self {
+            stream,
+            flags: Flags::new(client)?,
             epoch: 0,
             workspace: KeptBuffer::default(),
             scratch: KeptScratch::default(),
             graphs: GemmGraphs::default(),
+            launcher: GraphLauncher::new(device_index),
             burn_stream: None,
         })
     }
@@ -168,14 +185,8 @@ impl Lane {
             // SAFETY: our stream is valid.
             unsafe { cu::stream::synchronize(self.stream) }
                 .map_err(driver_err("cuStreamSynchronize"))?;
-            *self = Lane {
-                stream: self.stream,
-                workspace: std::mem::take(&mut self.workspace),
-                scratch: std::mem::take(&mut self.scratch),
-                graphs: std::mem::take(&mut self.graphs),
-                burn_stream: self.burn_stream.take(),
-                ..Lane::new(client)?
-            };
+            self.flags = Flags::new(client)?;
+            self.epoch = 0;
         }
         self.epoch += 1;
         Ok(self.epoch)
@@ -183,17 +194,25 @@ impl Lane {
 }
 
 /// The lanes of one device, by burn thread.
-#[derive(Default)]
 pub struct Lanes {
+    device_index: usize,
     lanes: HashMap<ThreadId, Lane>,
 }
 
 impl Lanes {
+    /// The (still empty) lanes of CUDA device `device_index`.
+    pub fn new(device_index: usize) -> Self {
+        Self {
+            device_index,
+            lanes: HashMap::new(),
+        }
+    }
+
     /// This thread's lane, created on first use.
     pub fn current(&mut self, client: &Client) -> Result<&mut Lane> {
         match self.lanes.entry(std::thread::current().id()) {
             Entry::Occupied(lane) => Ok(lane.into_mut()),
-            Entry::Vacant(slot) => Ok(slot.insert(Lane::new(client)?)),
+            Entry::Vacant(slot) => Ok(slot.insert(Lane::new(client, self.device_index)?)),
         }
     }
 
@@ -201,7 +220,7 @@ impl Lanes {
     pub fn check_timeouts(&self, client: &Client) -> Result<()> {
         for lane in self.lanes.values() {
             let bytes = client
-                .read_one(lane.timed_out.clone())
+                .read_one(lane.flags.timed_out.clone())
                 .map_err(|e| SlideSparseError::Backend(format!("reading timeout flag: {e:?}")))?;
             let epoch = u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"));
             if epoch != 0 {
@@ -238,47 +257,38 @@ fn probe_burn_stream(client: &Client) -> Result<sys::CUstream> {
     })
 }
 
-/// A GEMM enqueue closure sent to cubecl's device thread. It borrows the caller's plan and
-/// pointers; `ComputeClient::exclusive` blocks the caller until it has run, so the borrows
-/// outlive it and nothing else touches them meanwhile.
-struct OnDeviceThread<F>(F);
-// SAFETY: see above: the closure runs while its owner is blocked waiting for it.
-unsafe impl<F> Send for OnDeviceThread<F> {}
-impl<F: FnOnce(sys::CUstream) -> Result<()>> OnDeviceThread<F> {
-    fn run(self, stream: usize) -> Result<()> {
-        (self.0)(stream as sys::CUstream)
-    }
-}
-
-/// Runs `enqueue(burn_stream)` on cubecl's device thread, after every launch queued before
-/// it, and returns when it has run: work it enqueues on `burn_stream` (this thread's burn
-/// stream) is ordered exactly where the call stands in the program.
-pub(crate) fn on_burn_stream(
-    client: &Client,
-    burn_stream: sys::CUstream,
-    enqueue: impl FnOnce(sys::CUstream) -> Result<()>,
-) -> Result<()> {
-    let stream = burn_stream as usize;
-    let job = OnDeviceThread(enqueue);
-    client
-        .exclusive(move || job.run(stream))
-        .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))?
-}
-
 /// Runs `enqueue(stream)` (a library call) after everything queued on burn's stream, and
-/// makes burn's later work wait for it. `poison` (e.g. the token scales) is filled with NaN
-/// if a `Flags`-mode completion flag never arrives. With a `graph` key (every pointer of the
-/// call is stable, see `graphs.rs`) the call is replayed from a CUDA graph captured once.
+/// makes burn's later work wait for it. `poison` (the forward's token scales) is filled with
+/// NaN if a `Flags`-mode completion flag never arrives or a queued replay fails. With a
+/// graph key (every pointer of the call is stable, see `graphs.rs`) the call is replayed
+/// from a CUDA graph captured once; in `Stream` mode with `replay.queued`, a graph already
+/// captured is launched from cubecl's queue without waiting (`device_thread.rs`).
 pub fn run_ordered(
     client: &Client,
     lane: &mut Lane,
     side: &SideKernels,
     mode: SyncMode,
-    poison: (&Handle, usize),
-    graph: Option<GraphKey>,
+    poison: (&ForwardBuffer, usize),
+    replay: Replay,
     enqueue: impl FnMut(sys::CUstream) -> Result<()>,
 ) -> Result<()> {
+    lane.launcher.take_failure()?;
     let (mode, _fallback_reason) = lane.ordering(client, mode);
+    if mode == SyncMode::Stream && replay.queued {
+        let burn_stream = lane.burn_stream(client).expect("checked by `ordering`");
+        let captured = replay.key.and_then(|key| lane.graphs.captured_exec(&key));
+        if let (Some(exec), Some(poison_ptr)) = (captured, poison.0.kept_ptr) {
+            // SAFETY: a live graph, destroyed only after every task queued before the
+            // destruction has run (`device_thread.rs`); the token scales are a kept buffer
+            // of `poison.1` f32 values.
+            unsafe {
+                lane.launcher
+                    .queue(exec, burn_stream, (poison_ptr, poison.1))
+            };
+            return Ok(());
+        }
+    }
+    let graph = replay.key;
     // Per-mode lane state, taken before `call` borrows the lane's graphs.
     let (burn_stream, epoch) = match mode {
         SyncMode::Stream => (lane.burn_stream(client).ok(), 0),
@@ -316,7 +326,7 @@ pub fn run_ordered(
                     client,
                     one.clone(),
                     CubeDim::new_1d(1),
-                    ArrayArg::from_raw_parts(lane.ready.clone(), 1),
+                    ArrayArg::from_raw_parts(lane.flags.ready.clone(), 1),
                     epoch,
                 );
             }
@@ -326,24 +336,24 @@ pub fn run_ordered(
             unsafe {
                 side.wait(
                     lane.stream,
-                    lane.ready_ptr,
+                    lane.flags.ready_ptr,
                     epoch,
-                    lane.timed_out_ptr,
+                    lane.flags.timed_out_ptr,
                     MAX_SPINS,
                 )?
             };
             call(lane.stream)?;
             // SAFETY: as above.
-            unsafe { side.signal(lane.stream, lane.done_ptr, epoch)? };
+            unsafe { side.signal(lane.stream, lane.flags.done_ptr, epoch)? };
             // SAFETY: as above.
             unsafe {
                 wait_kernel::launch_unchecked::<Runtime>(
                     client,
                     one,
                     CubeDim::new_1d(1),
-                    ArrayArg::from_raw_parts(lane.done.clone(), 1),
-                    ArrayArg::from_raw_parts(lane.timed_out.clone(), 1),
-                    ArrayArg::from_raw_parts(poison.0.clone(), poison.1),
+                    ArrayArg::from_raw_parts(lane.flags.done.clone(), 1),
+                    ArrayArg::from_raw_parts(lane.flags.timed_out.clone(), 1),
+                    ArrayArg::from_raw_parts(poison.0.handle.clone(), poison.1),
                     epoch,
                     MAX_SPINS,
                     poison.1 as u32,

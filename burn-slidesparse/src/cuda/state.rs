@@ -36,6 +36,9 @@ pub struct DeviceState {
     /// Whether GEMM calls on kept buffers are replayed as CUDA graphs (`graphs.rs`); on by
     /// default, off with `SLIDESPARSE_GRAPHS=off`.
     pub use_graphs: bool,
+    /// Whether the launches of captured graphs are queued on cubecl's device thread without
+    /// waiting (`device_thread.rs`); on by default, off with `SLIDESPARSE_GRAPHS=blocking`.
+    pub queue_replays: bool,
     /// Wait/signal kernels for our streams.
     pub side: SideKernels,
 }
@@ -43,6 +46,16 @@ pub struct DeviceState {
 // SAFETY: the raw stream/context pointers are only used while holding the state's mutex,
 // with the context made current on the calling thread first.
 unsafe impl Send for DeviceState {}
+
+/// (`use_graphs`, `queue_replays`) from `SLIDESPARSE_GRAPHS`: `off`, `blocking`, or
+/// anything else (the default: graphs whose launches are queued).
+fn graphs_from_env() -> (bool, bool) {
+    match std::env::var("SLIDESPARSE_GRAPHS").as_deref() {
+        Ok("off") => (false, false),
+        Ok("blocking") => (true, false),
+        _ => (true, true),
+    }
+}
 
 /// Maps a CUDA driver error of the call `what` to a backend error.
 pub(super) fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> SlideSparseError + '_ {
@@ -69,11 +82,19 @@ impl DeviceState {
             plans: HashMap::new(),
             algos: AlgoCache::open(),
             dense: None,
-            lanes: Lanes::default(),
+            lanes: Lanes::new(index),
             sync_mode: SyncMode::from_env(),
-            use_graphs: std::env::var("SLIDESPARSE_GRAPHS").as_deref() != Ok("off"),
+            use_graphs: graphs_from_env().0,
+            queue_replays: graphs_from_env().1,
             side: SideKernels::new()?,
         })
+    }
+
+    /// Puts the ordering and replay settings back to their defaults (those of the
+    /// environment), after a test or benchmark changed them.
+    pub fn restore_default_settings(&mut self) {
+        self.sync_mode = SyncMode::from_env();
+        (self.use_graphs, self.queue_replays) = graphs_from_env();
     }
 
     /// Makes the device's context current on this thread (cheap; needed because burn may

@@ -2,7 +2,9 @@
 //! the other, as a model runs them) at decode sizes, timed two ways in the same process:
 //!
 //! - **wall**: blocks back to back, one device sync per batch of `--reps` blocks (what a
-//!   model sees today: bound by the host's enqueue time at these sizes);
+//!   model sees: bound by the host's enqueue time at these sizes), for our layers both with
+//!   the GEMM graphs' launches queued on cubecl's device thread (the default) and with
+//!   each launch waiting for that thread (`blocking`, the design of session 7);
 //! - **device**: the same blocks enqueued behind a closed [`StreamGate`], then released, so
 //!   the GPU runs them back to back with no host gaps; CUDA events on burn's stream time
 //!   them. This is the forward's cost once host work is out of the way (what one graph per
@@ -21,7 +23,7 @@ use burn::{
 use burn_cubecl::tensor::CubeTensor;
 use burn_slidesparse::{
     PackOptions, Precision, SlideSparseLinear, SparsityPattern,
-    cuda::{dense::DenseLayerGpu, gate::StreamGate},
+    cuda::{dense::DenseLayerGpu, gate::StreamGate, state::device_state},
     pack_linear,
     quant::quantize_weight,
 };
@@ -41,10 +43,14 @@ const GATED_BLOCKS: usize = 8;
 /// One way of running a block: four layers, each with its own input.
 type BlockForward<'a> = Box<dyn Fn() + 'a>;
 
-/// (wall ms, device ms) per block.
+/// Milliseconds per block.
 #[derive(Clone, Copy, Default)]
 struct BlockTimes {
+    /// Wall time, default settings (graph launches queued).
     wall: f64,
+    /// Wall time with blocking graph launches (the same as `wall` for burn's layers).
+    wall_blocking: f64,
+    /// Device time (behind the gate).
     device: f64,
 }
 
@@ -82,7 +88,7 @@ pub fn decode_bench(args: &Args) {
                 &client,
                 &device,
                 &mut gate,
-                args.reps,
+                (args.reps, false),
                 Box::new(|| {
                     for (layer, x) in bf16.iter().zip(&xs) {
                         let _ = layer.forward(x.clone());
@@ -98,7 +104,7 @@ pub fn decode_bench(args: &Args) {
                     &client,
                     &device,
                     &mut gate,
-                    args.reps,
+                    (args.reps, true),
                     Box::new(|| {
                         for (layer, x) in dense.iter().zip(&prims) {
                             let _ = layer.forward(x).expect("dense forward");
@@ -115,7 +121,7 @@ pub fn decode_bench(args: &Args) {
                         &client,
                         &device,
                         &mut gate,
-                        args.reps,
+                        (args.reps, true),
                         Box::new(|| {
                             for (layer, x) in block.iter().zip(&xs) {
                                 let _ = layer.forward(x.clone());
@@ -133,6 +139,7 @@ pub fn decode_bench(args: &Args) {
         }
     }
     print_table(&results, &patterns);
+    print_queued_table(&results);
     if let Some(path) = &args.json {
         let rows: Vec<_> = results
             .iter()
@@ -142,7 +149,7 @@ pub fn decode_bench(args: &Args) {
                     .map(|(name, t)| {
                         (
                             name.clone(),
-                            serde_json::json!({"wall_ms": t.wall, "device_ms": t.device}),
+                            serde_json::json!({"wall_ms": t.wall, "wall_blocking_ms": t.wall_blocking, "device_ms": t.device}),
                         )
                     })
                     .collect();
@@ -205,11 +212,12 @@ fn build_layers(
 }
 
 /// Wall and device time per block of `forward` (see the module docs).
+/// `ours`: the block is made of our layers (whose graph launches can be queued or blocking).
 fn time_block(
     client: &cubecl::client::ComputeClient<CudaRuntime>,
     device: &burn::tensor::Device<Gpu>,
     gate: &mut StreamGate,
-    reps: usize,
+    (reps, ours): (usize, bool),
     forward: BlockForward,
 ) -> BlockTimes {
     // Warm-up: algorithm searches, graph captures and burn's autotune happen here, never
@@ -218,14 +226,26 @@ fn time_block(
         forward();
     }
     Gpu::sync(device).unwrap();
-    let wall = median((0..7).map(|_| {
-        let start = Instant::now();
-        for _ in 0..reps {
-            forward();
-        }
-        Gpu::sync(device).unwrap();
-        start.elapsed().as_secs_f64() * 1e3 / reps as f64
-    }));
+    let wall_ms = || {
+        median((0..7).map(|_| {
+            let start = Instant::now();
+            for _ in 0..reps {
+                forward();
+            }
+            Gpu::sync(device).unwrap();
+            start.elapsed().as_secs_f64() * 1e3 / reps as f64
+        }))
+    };
+    let wall = wall_ms();
+    let wall_blocking = if ours {
+        let state = device_state(0).expect("GPU state");
+        state.lock().unwrap().queue_replays = false;
+        let blocking = wall_ms();
+        state.lock().unwrap().restore_default_settings();
+        blocking
+    } else {
+        wall
+    };
     let device_ms = median((0..15).map(|_| {
         gate.close(client).expect("close the gate");
         for _ in 0..GATED_BLOCKS {
@@ -235,6 +255,7 @@ fn time_block(
     }));
     BlockTimes {
         wall,
+        wall_blocking,
         device: device_ms,
     }
 }
@@ -243,6 +264,32 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = values.collect();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// Wall ms per block with blocking and with queued graph launches, for dense and 6:8.
+fn print_queued_table(results: &BTreeMap<(String, String, usize), BTreeMap<String, BlockTimes>>) {
+    println!(
+        "\nDecode wall time per block (ms), GEMM graph launches blocking (waiting for cubecl's device thread) vs queued on it; x = dense / 6:8"
+    );
+    println!(
+        "| model | precision | M | dense blocking | dense queued | 6:8 blocking | 6:8 queued | 6:8 device | 6:8 x blocking | 6:8 x queued |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for ((model, precision, m), v) in results {
+        let (Some(dense), Some(sparse)) = (v.get("dense"), v.get("6:8")) else {
+            continue;
+        };
+        println!(
+            "| {model} | {precision} | {m} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
+            dense.wall_blocking,
+            dense.wall,
+            sparse.wall_blocking,
+            sparse.wall,
+            sparse.device,
+            dense.wall_blocking / sparse.wall_blocking,
+            dense.wall / sparse.wall
+        );
+    }
 }
 
 fn print_table(

@@ -185,11 +185,19 @@ pub fn host_bench(args: &Args) {
                         .ptr
                 }),
             };
-            for (piece, kept) in [
-                ("sparse GEMM, pointers per call (direct call)", false),
-                ("sparse GEMM, kept buffers (CUDA graph)", true),
+            let state = device_state(0).expect("GPU state");
+            for (piece, kept, queued) in [
+                ("sparse GEMM, pointers per call (direct call)", false, false),
+                (
+                    "sparse GEMM, kept buffers (CUDA graph, blocking)",
+                    true,
+                    false,
+                ),
+                ("sparse GEMM, kept buffers (CUDA graph, queued)", true, true),
             ] {
+                state.lock().unwrap().queue_replays = queued;
                 let (codes, acc) = (buffer(&codes, kept), buffer(&acc, kept));
+                let scales = buffer(&scales, kept);
                 rows.push((
                     piece,
                     per_call_us(
@@ -212,16 +220,26 @@ pub fn host_bench(args: &Args) {
             let (lib_sparse, lib_dense) = library_calls(reps, n, g.k_prime(), k, mp, accumulator);
             rows.push(("cusparseLtMatmul alone (caller thread)", lib_sparse));
             rows.push(("cublasLtMatmul alone (caller thread)", lib_dense));
-            let state = device_state(0).expect("GPU state");
-            for (graphs, sparse_piece, dense_piece) in [
+            for (graphs, queued, sparse_piece, dense_piece) in [
                 (
+                    false,
                     false,
                     "SlideSparse forward 6:8, graphs off",
                     "dense forward, graphs off",
                 ),
-                (true, "SlideSparse forward 6:8", "dense forward"),
+                (
+                    true,
+                    false,
+                    "SlideSparse forward 6:8, graphs blocking",
+                    "dense forward, graphs blocking",
+                ),
+                (true, true, "SlideSparse forward 6:8", "dense forward"),
             ] {
-                state.lock().unwrap().use_graphs = graphs;
+                {
+                    let mut state = state.lock().unwrap();
+                    state.use_graphs = graphs;
+                    state.queue_replays = queued;
+                }
                 rows.push((
                     sparse_piece,
                     per_call_us(

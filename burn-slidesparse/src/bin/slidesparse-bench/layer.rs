@@ -329,7 +329,7 @@ fn ordering_cost(
             })
         })
         .collect();
-    state.lock().unwrap().sync_mode = SyncMode::from_env();
+    state.lock().unwrap().restore_default_settings();
     rows
 }
 
