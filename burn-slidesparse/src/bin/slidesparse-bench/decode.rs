@@ -30,7 +30,7 @@ use burn_slidesparse::{
 use cubecl::{Runtime, cuda::CudaRuntime};
 
 use super::{
-    Args,
+    Args, column_names,
     layer::{Gpu, random_weight},
     model_shapes, parse_list, sweep,
 };
@@ -84,11 +84,12 @@ pub fn decode_bench(args: &Args) {
                 .iter()
                 .map(|x| x.clone().into_primitive().tensor())
                 .collect();
-            let bf16_times = time_block(
-                &client,
-                &device,
-                &mut gate,
-                (args.reps, false),
+            // `ours`: a block of our layers (timed with blocking and with queued launches).
+            let mut time = |ours: bool, forward: BlockForward| {
+                time_block(&client, &device, &mut gate, (args.reps, ours), forward)
+            };
+            let bf16_times = time(
+                false,
                 Box::new(|| {
                     for (layer, x) in bf16.iter().zip(&xs) {
                         let _ = layer.forward(x.clone());
@@ -100,11 +101,8 @@ pub fn decode_bench(args: &Args) {
                     .entry((model.clone(), precision.to_string(), m))
                     .or_default();
                 row.insert("burn bf16".into(), bf16_times);
-                let dense_times = time_block(
-                    &client,
-                    &device,
-                    &mut gate,
-                    (args.reps, true),
+                let dense_times = time(
+                    true,
                     Box::new(|| {
                         for (layer, x) in dense.iter().zip(&prims) {
                             let _ = layer.forward(x).expect("dense forward");
@@ -117,11 +115,8 @@ pub fn decode_bench(args: &Args) {
                     dense_times.wall, dense_times.device
                 );
                 for (pattern, block) in sparse {
-                    let times = time_block(
-                        &client,
-                        &device,
-                        &mut gate,
-                        (args.reps, true),
+                    let times = time(
+                        true,
                         Box::new(|| {
                             for (layer, x) in block.iter().zip(&xs) {
                                 let _ = layer.forward(x.clone());
@@ -298,20 +293,12 @@ fn print_table(
 ) {
     let names: Vec<String> = patterns.iter().map(|p| p.to_string()).collect();
     println!(
-        "\nDecode, one block (4 layers in sequence): ms per block, wall (back to back, host-bound) and device (queued behind a gate, no host gaps); x = dense / SlideSparse"
+        "\nDecode, one block (4 layers in sequence): ms per block, wall (back to back, default settings) and device (queued behind a gate, no host gaps); x = dense / SlideSparse"
     );
     println!(
         "| model | precision | M | burn bf16 wall / device | dense wall / device | {} | {} |",
-        names
-            .iter()
-            .map(|n| format!("{n} device x"))
-            .collect::<Vec<_>>()
-            .join(" | "),
-        names
-            .iter()
-            .map(|n| format!("{n} wall x"))
-            .collect::<Vec<_>>()
-            .join(" | ")
+        column_names(&names, "device x"),
+        column_names(&names, "wall x")
     );
     println!("|---|---|---|---|---|{}", "---|".repeat(2 * names.len()));
     for ((model, precision, m), v) in results {

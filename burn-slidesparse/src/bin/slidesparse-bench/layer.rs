@@ -38,7 +38,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
-use super::{Args, model_shapes, parse_list, rotation, sweep};
+use super::{Args, column_names, model_shapes, parse_list, rotation, sweep};
 
 /// Activations in bf16, as in LLM inference (and in the anchor's sparse GEMM outputs).
 pub(crate) type Gpu = CubeBackend<CudaRuntime, bf16, i32, u8>;
@@ -460,16 +460,8 @@ fn print_tables(
     );
     println!(
         "| model | precision | M | burn bf16 ms | dense ms | {} | {} |",
-        names
-            .iter()
-            .map(|n| format!("{n} ms"))
-            .collect::<Vec<_>>()
-            .join(" | "),
-        names
-            .iter()
-            .map(|n| format!("{n} x"))
-            .collect::<Vec<_>>()
-            .join(" | ")
+        column_names(&names, "ms"),
+        column_names(&names, "x")
     );
     println!("|---|---|---|---|---|{}", "---|".repeat(2 * names.len()));
     for ((model, p, m), v) in totals {

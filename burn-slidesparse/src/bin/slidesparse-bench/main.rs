@@ -216,6 +216,15 @@ fn main() {
     }
 }
 
+/// Markdown table cells `"{name} {suffix}"` for each name, joined by ` | `.
+fn column_names(names: &[String], suffix: &str) -> String {
+    names
+        .iter()
+        .map(|n| format!("{n} {suffix}"))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
 fn parse_list(s: &str) -> Vec<String> {
     s.split(',').map(str::trim).map(String::from).collect()
 }
