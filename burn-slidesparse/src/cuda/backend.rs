@@ -387,16 +387,11 @@ pub fn run_sparse_gemm(
     let plan = plans.get(&shape).expect("built above");
     let lane = lanes.current(client)?;
     let p_ws = lane.workspace(client, plan.workspace)?;
-    let replay = Replay {
-        key: use_graphs
-            .then(|| {
-                let call = GemmCall::Sparse(shape);
-                let (weight, alpha) = (prepared.compressed.ptr, prepared.alpha.ptr);
-                GraphKey::if_kept(call, weight, (codes, acc), alpha, p_ws)
-            })
-            .flatten(),
-        queued: *queue_replays,
-    };
+    let replay = Replay::new(*use_graphs, *queue_replays, || {
+        let call = GemmCall::Sparse(shape);
+        let (weight, alpha) = (prepared.compressed.ptr, prepared.alpha.ptr);
+        GraphKey::if_kept(call, weight, (codes, acc), alpha, p_ws)
+    });
     run_ordered(client, lane, side, *sync_mode, poison, replay, |stream| {
         let p = pointers(client)?;
         // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps burn's

@@ -179,15 +179,10 @@ impl DenseLayerGpu {
             *sync_mode,
         );
         let p_ws = lane.workspace(client, WORKSPACE)?;
-        let replay = Replay {
-            key: use_graphs
-                .then(|| {
-                    let call = GemmCall::Dense(shape);
-                    GraphKey::if_kept(call, self.weight.ptr, (codes, acc), 0, p_ws)
-                })
-                .flatten(),
-            queued: *queue_replays,
-        };
+        let replay = Replay::new(*use_graphs, *queue_replays, || {
+            let call = GemmCall::Dense(shape);
+            GraphKey::if_kept(call, self.weight.ptr, (codes, acc), 0, p_ws)
+        });
         run_ordered(
             client,
             lane,

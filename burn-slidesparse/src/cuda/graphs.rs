@@ -66,6 +66,17 @@ pub struct Replay {
     pub queued: bool,
 }
 
+impl Replay {
+    /// A call's replay under the device's settings: the key `key()` gives (`None` where
+    /// its buffers are not kept) if graphs are on, else none.
+    pub fn new(use_graphs: bool, queued: bool, key: impl FnOnce() -> Option<GraphKey>) -> Self {
+        Self {
+            key: if use_graphs { key() } else { None },
+            queued,
+        }
+    }
+}
+
 /// Graphs kept per lane; beyond this many, all are dropped and recaptured on demand
 /// (a model at decode needs layers x M buckets, a few hundred).
 const MAX_GRAPHS: usize = 4096;

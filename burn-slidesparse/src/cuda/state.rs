@@ -74,6 +74,7 @@ impl DeviceState {
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(driver_err("cuStreamCreate"))?;
         let lt = LtHandle::new()?;
+        let (use_graphs, queue_replays) = graphs_from_env();
         Ok(Self {
             lt,
             stream,
@@ -84,8 +85,8 @@ impl DeviceState {
             dense: None,
             lanes: Lanes::new(index),
             sync_mode: SyncMode::from_env(),
-            use_graphs: graphs_from_env().0,
-            queue_replays: graphs_from_env().1,
+            use_graphs,
+            queue_replays,
             side: SideKernels::new()?,
         })
     }
