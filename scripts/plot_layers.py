@@ -3,6 +3,8 @@
 files. Standard library only (writes SVG).
 
 usage: python3 scripts/plot_layers.py OUT.svg RUN.json [RUN.json ...]
+   e.g. python3 scripts/plot_layers.py docs/layer-speedup.svg \
+            docs/results/layer-llama-2026-11-30.json docs/results/layer-qwen-2026-11-30.json
 """
 import json
 import math
