@@ -116,8 +116,111 @@ pub enum SlideSparseError {
         source: safetensors::SafeTensorError,
     },
 
+    /// A failure of a backend operation that has no more specific variant (the reference
+    /// path reading tensors, a layer's name added as context).
     #[error("{0}")]
     Backend(String),
+
+    /// A CUDA driver call failed; `code` is the driver's error name.
+    #[error("CUDA driver: {call} failed: {code}")]
+    Cuda {
+        /// The driver entry point, e.g. `cuStreamCreate`.
+        call: &'static str,
+        /// The `CUresult`, e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`.
+        code: String,
+    },
+
+    /// A cuSPARSELt call failed.
+    #[error("cuSPARSELt {call} failed with status {status}: {message}")]
+    CusparseLt {
+        /// The entry point without its `cusparseLt` prefix, e.g. `Matmul`.
+        call: &'static str,
+        /// The `cusparseStatus_t`.
+        status: i32,
+        /// `cusparseLtGetErrorString` of the status.
+        message: String,
+    },
+
+    /// A cuBLASLt call of the dense baseline failed.
+    #[error("cuBLASLt {call} failed: {code}")]
+    CublasLt {
+        /// What was called.
+        call: &'static str,
+        /// The `cublasStatus_t` name.
+        code: String,
+    },
+
+    /// A CUPTI call failed (finding burn's stream; the caller falls back to host
+    /// synchronization).
+    #[error("CUPTI {call} failed with status {status}: {message}")]
+    Cupti {
+        /// The entry point.
+        call: &'static str,
+        /// The `CUptiResult`.
+        status: u32,
+        /// `cuptiGetResultString` of the status.
+        message: String,
+    },
+
+    /// A request to cubecl (its device thread, its memory pool) failed.
+    #[error("cubecl {what}: {detail}")]
+    Cubecl {
+        /// What was asked of cubecl.
+        what: &'static str,
+        /// cubecl's error.
+        detail: String,
+    },
+
+    /// A library loaded at run time is missing or unusable.
+    #[error("{library} not found or unusable: {detail}")]
+    LibraryUnavailable {
+        /// The library, e.g. `cuSPARSELt`.
+        library: &'static str,
+        /// What was tried and how to fix it.
+        detail: String,
+    },
+
+    /// cuSPARSELt's own 2:4 check rejected a weight: some 2:4 window holds more than two
+    /// nonzeros. (The packer's checks make this unreachable for a valid packed layer; the
+    /// library does not say where.)
+    #[error(
+        "{tensor}: cuSPARSELt's prune check rejected the weight (a 2:4 window holds more than 2 \
+         nonzeros; the library does not report where: run `slidesparse verify` on the packed file)"
+    )]
+    PruneCheckRejected {
+        /// The layer.
+        tensor: String,
+    },
+
+    /// A GEMM replayed from a CUDA graph, queued without waiting, failed; its forward's
+    /// output was set to NaN. Reported by the next GEMM call on the same thread.
+    #[error(
+        "an earlier queued GEMM replay on this thread failed ({code}); that forward's output was set to NaN"
+    )]
+    QueuedReplayFailed {
+        /// The `CUresult` of `cuGraphLaunch`.
+        code: String,
+    },
+
+    /// An environment variable holds a value that is not one of the accepted ones.
+    #[error("environment variable {variable}={value:?} is not valid: expected one of {accepted}")]
+    Config {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// The accepted values.
+        accepted: &'static str,
+    },
+
+    /// A layer that the CUDA path cannot run.
+    #[error("{what}: not supported on the CUDA path: {why}")]
+    Unsupported {
+        /// The layer or operation.
+        what: String,
+        /// Why, and what to do instead.
+        why: String,
+    },
 
     #[error(
         "no usable NVIDIA GPU: {0}; run on a reference backend (e.g. NdArray) or check the driver"

@@ -383,8 +383,8 @@ fn next_to_rounding_boundaries(rng: &mut impl rand::Rng, k: usize) -> Vec<f32> {
     x
 }
 
-/// Puts the device back into its default ordering when dropped, even if a test panics, so
-/// that an opt-in flags failure cannot leak into the tests that run after it.
+/// Puts the device back into its default ordering and replay settings when dropped, even if
+/// a test panics, so that a test's settings cannot leak into the tests that run after it.
 struct DefaultOrderingOnDrop;
 
 impl Drop for DefaultOrderingOnDrop {
@@ -392,7 +392,7 @@ impl Drop for DefaultOrderingOnDrop {
         use burn_slidesparse::cuda::state::device_state;
         if let Ok(state) = device_state(0) {
             let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-            state.restore_default_settings();
+            let _ = state.restore_default_settings();
         }
     }
 }
@@ -405,7 +405,10 @@ impl Drop for DefaultOrderingOnDrop {
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     use burn_slidesparse::{
-        cuda::{dense::DenseLayerGpu, ordering::SyncMode, state::device_state},
+        cuda::{
+            DenseLayerGpu, SyncMode,
+            state::{device_state, set_sync_mode},
+        },
         quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -433,7 +436,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     .unwrap();
     let x0 = random_f32(&mut rng, m * d);
     let run = |mode| {
-        device_state(0).unwrap().lock().unwrap().sync_mode = mode;
+        set_sync_mode(0, mode).unwrap();
         let mut x = on_gpu::<Gpu, 2>(x0.clone(), [m, d], DType::F32);
         let mut outputs = Vec::new();
         for _ in 0..6 {
@@ -460,7 +463,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
         .lock()
         .unwrap()
         .lanes
-        .current(&client)
+        .current()
         .unwrap()
         .ordering(&client, SyncMode::Stream);
     assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
@@ -485,7 +488,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     use burn_slidesparse::{
-        cuda::{dense::DenseLayerGpu, ordering::SyncMode, state::device_state},
+        cuda::{DenseLayerGpu, GraphMode, Settings, SyncMode, state::device_state},
         quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -530,10 +533,16 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     let run = |graphs: bool, queued: bool| {
         {
             let state = device_state(0).unwrap();
-            let mut state = state.lock().unwrap();
-            state.sync_mode = SyncMode::Stream;
-            state.use_graphs = graphs;
-            state.queue_replays = queued;
+            let graphs = match (graphs, queued) {
+                (false, _) => GraphMode::Off,
+                (true, false) => GraphMode::Blocking,
+                (true, true) => GraphMode::Queued,
+            };
+            let sync = SyncMode::Stream;
+            state
+                .lock()
+                .unwrap()
+                .set_settings(Settings { sync, graphs });
         }
         // Everything queued back to back; read at the end.
         let mut outputs = Vec::new();
@@ -559,7 +568,7 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     let replayed = run(true, true);
     let state = device_state(0).unwrap();
     let mut state = state.lock().unwrap();
-    let graphs = &state.lanes.current(&client).unwrap().graphs;
+    let graphs = &state.lanes.current().unwrap().graphs;
     assert_eq!(graphs.last_failure(), None, "a GEMM capture failed");
     let captured = graphs.captured();
     drop(state);
@@ -607,62 +616,6 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     );
 }
 
-/// The opt-in no-sync (flags) ordering against the host-sync ordering over many back-to-back
-/// forwards: every flags output is either bit-identical to the host-ordered one or, where
-/// a wait timed out (the documented stall with persistent cuSPARSELt kernels), poisoned
-/// with NaN. Never a silently different finite result.
-#[test]
-#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
-fn flag_ordering_is_exact_or_poisoned_never_silently_wrong() {
-    use burn_slidesparse::cuda::{ordering::SyncMode, state::device_state};
-    let _restore = DefaultOrderingOnDrop;
-    let mut rng = rng(103);
-    let (m, k, n) = (333, 2048, 1024);
-    let w = random_f32(&mut rng, n * k);
-    let (packed, _, _) = pack_linear(
-        "w",
-        &w,
-        n,
-        k,
-        None,
-        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
-    )
-    .unwrap();
-    let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &Default::default());
-    let xs: Vec<Tensor<Gpu, 2>> = (0..8)
-        .map(|_| on_gpu::<Gpu, 2>(random_f32(&mut rng, m * k), [m, k], DType::F32))
-        .collect();
-    let run = |mode| {
-        device_state(0).unwrap().lock().unwrap().sync_mode = mode;
-        // Queue everything first, read back at the end: no host sync between forwards.
-        let ys: Vec<_> = (0..32).map(|i| layer.forward(xs[i % 8].clone())).collect();
-        ys.into_iter()
-            .map(|y| y.into_data().convert::<f32>().into_vec::<f32>().unwrap())
-            .collect::<Vec<_>>()
-    };
-    let host = run(SyncMode::Host);
-    let flags = run(SyncMode::Flags);
-    let mut poisoned = 0;
-    for (i, (h, f)) in host.iter().zip(&flags).enumerate() {
-        if f.iter().any(|v| v.is_nan()) {
-            poisoned += 1;
-        } else {
-            assert_eq!(
-                h, f,
-                "forward {i}: flags ordering differs from host ordering"
-            );
-        }
-        // Repeated inputs give identical host-ordered outputs (i and i + 8).
-        if i + 8 < host.len() {
-            assert_eq!(host[i], host[i + 8]);
-        }
-    }
-    println!(
-        "flags ordering: {} of 32 forwards exact, {poisoned} poisoned by a timeout",
-        32 - poisoned
-    );
-}
-
 /// Reads a GPU tensor primitive back as f32.
 fn read_f32<B: burn::tensor::backend::Backend>(y: burn::tensor::ops::FloatTensor<B>) -> Vec<f32> {
     Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(y))
@@ -679,7 +632,7 @@ fn read_f32<B: burn::tensor::backend::Backend>(y: burn::tensor::ops::FloatTensor
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn dense_baseline_matches_host_w8a8() {
     use burn::tensor::ElementConversion;
-    use burn_slidesparse::{cuda::dense::DenseLayerGpu, quant::quantize_weight};
+    use burn_slidesparse::{cuda::DenseLayerGpu, quant::quantize_weight};
     let client = CudaRuntime::client(&Default::default());
     let mut rng = rng(104);
     for precision in [Precision::Int8, Precision::Fp8] {
@@ -1043,43 +996,13 @@ fn forward_past_gpu_memory_is_a_typed_error_and_the_device_keeps_working() {
     assert!(rel_err(&yg, &yc) < tolerance(Precision::F32));
 }
 
-/// Both flag-wait kernels (CubeCL on burn's stream, NVRTC on ours) give up after their spin
-/// budget on a flag that never arrives: they record the epoch, poison the output with NaN
-/// and return, so a lost signal is an error, never a hang.
+/// The gate's spin kernel gives up after its spin budget on a flag that never arrives: it
+/// records the epoch and returns, so a lost signal is an error, never a hang.
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
-fn flag_waits_time_out_instead_of_hanging() {
-    use burn_slidesparse::cuda::state::device_state;
-    use cubecl::{CubeCount, CubeDim, prelude::ArrayArg};
-    use cubecl_kernels::stream_sync::wait_kernel;
+fn spin_waits_time_out_instead_of_hanging() {
+    use burn_slidesparse::cuda::{side_kernels::SideKernels, state::device_state};
     let client = CudaRuntime::client(&Default::default());
-    let flag = client.create_from_slice(&[0; 4]);
-    let timed_out = client.create_from_slice(&[0; 4]);
-    let poison = client.create_from_slice(&[0; 64 * 4]);
-    // SAFETY: one u32 flag, one u32 timeout record, 64 f32 of poison, as the kernel reads.
-    unsafe {
-        wait_kernel::launch_unchecked::<CudaRuntime>(
-            &client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(1),
-            ArrayArg::from_raw_parts(flag.clone(), 1),
-            ArrayArg::from_raw_parts(timed_out.clone(), 1),
-            ArrayArg::from_raw_parts(poison.clone(), 64),
-            7,
-            10_000,
-            64,
-            f32::NAN,
-        );
-    }
-    let record = client.read_one(timed_out).unwrap();
-    assert_eq!(u32::from_le_bytes(record[..4].try_into().unwrap()), 7);
-    let poison = client.read_one(poison).unwrap();
-    assert!(
-        poison
-            .chunks_exact(4)
-            .all(|c| f32::from_le_bytes(c.try_into().unwrap()).is_nan())
-    );
-
     let flag = client.create_from_slice(&[0; 4]);
     let timed_out = client.create_from_slice(&[0; 4]);
     let device_ptr =
@@ -1088,12 +1011,11 @@ fn flag_waits_time_out_instead_of_hanging() {
     let state = device_state(0).unwrap();
     let state = state.lock().unwrap();
     state.make_current().unwrap();
-    // SAFETY: live 4-byte cubecl allocations (initialized: read back above is synchronous,
-    // and `get_resource` returns after the uploads); our stream belongs to this context.
+    let side = SideKernels::new().unwrap();
+    // SAFETY: live 4-byte cubecl allocations (`get_resource` returns after the uploads); our
+    // stream belongs to this context.
     unsafe {
-        state
-            .side
-            .wait(state.stream, flag_ptr, 9, timed_out_ptr, 10_000)
+        side.wait(state.stream, flag_ptr, 9, timed_out_ptr, 10_000)
             .unwrap();
     }
     state.synchronize().unwrap();

@@ -1,12 +1,97 @@
-//! The CUDA path on a machine without a (usable) GPU: a typed error that says what to do,
-//! never a panic. Runs in CI (no driver there) and on the GPU host (asking for a device
-//! index past the last one), so it is not `#[ignore]`d.
+//! The CUDA path's host side without a (usable) GPU: a missing GPU is a typed error that
+//! says what to do, never a panic, and the configuration from the environment is strict.
+//! Runs in CI (no driver there) and on the GPU host (asking for a device index past the
+//! last one), so it is not `#[ignore]`d.
 #![cfg(feature = "cuda")]
+
+use std::{collections::HashMap, path::PathBuf};
 
 use burn_slidesparse::{
     SlideSparseError,
-    cuda::state::{cuda_driver_present, device_state},
+    cuda::{Config, GraphMode, Settings, SyncMode, cuda_driver_present, state::device_state},
 };
+
+fn config_of(vars: &[(&str, &str)]) -> burn_slidesparse::Result<Config> {
+    let vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Config::from_lookup(|name| vars.get(name).cloned())
+}
+
+#[test]
+fn an_empty_environment_gives_the_defaults() {
+    let config = config_of(&[("HOME", "/home/u")]).unwrap();
+    let defaults = Settings {
+        sync: SyncMode::Stream,
+        graphs: GraphMode::Queued,
+    };
+    assert_eq!(config.settings, defaults);
+    assert!(config.algo_search);
+    assert_eq!(
+        config.cache_dir,
+        Some(PathBuf::from("/home/u/.cache/burn-slidesparse"))
+    );
+    assert_eq!(config.cuda_path, PathBuf::from("/usr/local/cuda"));
+    assert_eq!(config.cusparselt, None);
+}
+
+#[test]
+fn every_accepted_value_is_read() {
+    let config = config_of(&[
+        ("SLIDESPARSE_SYNC", "host"),
+        ("SLIDESPARSE_GRAPHS", "off"),
+        ("SLIDESPARSE_ALGO_SEARCH", "0"),
+        ("SLIDESPARSE_CACHE_DIR", "/c"),
+        ("XDG_CACHE_HOME", "/x"),
+        ("SLIDESPARSE_CUSPARSELT", "/lib/libcusparseLt.so.0"),
+        ("SLIDESPARSE_CUPTI", "/lib/libcupti.so"),
+        ("CUDA_PATH", "/opt/cuda"),
+    ])
+    .unwrap();
+    assert_eq!(config.settings.sync, SyncMode::Host);
+    assert_eq!(config.settings.graphs, GraphMode::Off);
+    assert!(!config.algo_search);
+    assert_eq!(config.cache_dir, Some(PathBuf::from("/c")));
+    assert_eq!(
+        config.cusparselt,
+        Some(PathBuf::from("/lib/libcusparseLt.so.0"))
+    );
+    assert_eq!(config.cupti, Some(PathBuf::from("/lib/libcupti.so")));
+    assert_eq!(config.cuda_path, PathBuf::from("/opt/cuda"));
+    for (value, mode) in [
+        ("queued", GraphMode::Queued),
+        ("blocking", GraphMode::Blocking),
+    ] {
+        let config = config_of(&[("SLIDESPARSE_GRAPHS", value)]).unwrap();
+        assert_eq!(config.settings.graphs, mode);
+    }
+    let xdg = config_of(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]).unwrap();
+    assert_eq!(xdg.cache_dir, Some(PathBuf::from("/x/burn-slidesparse")));
+}
+
+#[test]
+fn an_unknown_value_is_an_error_naming_the_variable_and_the_accepted_values() {
+    for (variable, value, accepted) in [
+        ("SLIDESPARSE_GRAPHS", "of", "queued, blocking, off"),
+        ("SLIDESPARSE_SYNC", "flags", "stream, host"),
+        ("SLIDESPARSE_ALGO_SEARCH", "yes", "on, off, 1, 0"),
+    ] {
+        let err = config_of(&[(variable, value)]).unwrap_err();
+        match &err {
+            SlideSparseError::Config {
+                variable: v,
+                value: got,
+                accepted: a,
+            } => {
+                assert_eq!((*v, got.as_str(), *a), (variable, value, accepted));
+            }
+            other => panic!("expected a Config error, got {other:?}"),
+        }
+        let text = err.to_string();
+        assert!(text.contains(variable) && text.contains(accepted), "{text}");
+    }
+}
 
 #[test]
 fn a_missing_gpu_is_a_typed_error_not_a_panic() {

@@ -2,19 +2,21 @@
 //! fast: a small JSON map from "GPU | library version | shape bucket" to the winning
 //! algorithm configuration id.
 //!
-//! Location: `$SLIDESPARSE_CACHE_DIR`, else `$XDG_CACHE_HOME/burn-slidesparse`, else
-//! `~/.cache/burn-slidesparse`; file `cusparselt-algorithms.json`. `SLIDESPARSE_ALGO_SEARCH=0`
-//! turns searching off (the library's default algorithm is used).
+//! Location: [`Config::cache_dir`] (`SLIDESPARSE_CACHE_DIR`, else
+//! `$XDG_CACHE_HOME/burn-slidesparse`, else `~/.cache/burn-slidesparse`); file
+//! `cusparselt-algorithms.json`. `SLIDESPARSE_ALGO_SEARCH=off` turns searching off (the
+//! library's default algorithm is used).
 
 use std::{collections::BTreeMap, path::PathBuf};
 
-use super::cusparselt::GemmShape;
+use super::{config::Config, cusparselt::GemmShape};
 
 /// Search results, loaded lazily and written back after each new entry.
 #[derive(Debug, Default)]
 pub struct AlgoCache {
     path: Option<PathBuf>,
     entries: BTreeMap<String, i32>,
+    /// Whether new shapes are searched (else the default algorithm is kept).
     pub search_enabled: bool,
 }
 
@@ -24,19 +26,21 @@ pub fn m_bucket(m_pad: usize) -> usize {
 }
 
 impl AlgoCache {
-    /// Opens (or starts) the cache file.
-    pub fn open() -> Self {
-        let path = cache_dir().map(|d| d.join("cusparselt-algorithms.json"));
+    /// Opens (or starts) the cache file of `config`.
+    pub fn open(config: &Config) -> Self {
+        let path = config
+            .cache_dir
+            .as_ref()
+            .map(|d| d.join("cusparselt-algorithms.json"));
         let entries = path
             .as_ref()
             .and_then(|p| std::fs::read(p).ok())
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
             .unwrap_or_default();
-        let search_enabled = std::env::var("SLIDESPARSE_ALGO_SEARCH").map_or(true, |v| v != "0");
         Self {
             path,
             entries,
-            search_enabled,
+            search_enabled: config.algo_search,
         }
     }
 
@@ -58,6 +62,7 @@ impl AlgoCache {
         key
     }
 
+    /// The remembered configuration id of `key`.
     pub fn get(&self, key: &str) -> Option<i32> {
         self.entries.get(key).copied()
     }
@@ -75,14 +80,4 @@ impl AlgoCache {
             }
         }
     }
-}
-
-fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("SLIDESPARSE_CACHE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return Some(PathBuf::from(d).join("burn-slidesparse"));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/burn-slidesparse"))
 }

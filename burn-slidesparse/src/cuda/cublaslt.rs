@@ -7,14 +7,16 @@ use std::{collections::HashMap, ffi::c_void};
 use cudarc::cublaslt::{result, sys};
 
 use super::accumulator::{AccType, Accumulator};
-
 use crate::{
     error::{Result, SlideSparseError},
     quant::Precision,
 };
 
-fn err(what: &str) -> impl Fn(result::CublasError) -> SlideSparseError + '_ {
-    move |e| SlideSparseError::Backend(format!("cuBLASLt {what}: {e:?}"))
+fn err(call: &'static str) -> impl Fn(result::CublasError) -> SlideSparseError {
+    move |e| SlideSparseError::CublasLt {
+        call,
+        code: format!("{:?}", e.0),
+    }
 }
 
 /// Shape of one dense GEMM.
@@ -84,16 +86,17 @@ pub struct DensePlan {
     int_scale: bool,
 }
 
-/// cuBLASLt handle plus plans, one per device (lives in the device state).
-pub struct DenseGemm {
+/// The cuBLASLt handle plus its plans, one per device (lives in the device state).
+pub struct CublasLt {
     handle: sys::cublasLtHandle_t,
     plans: HashMap<DenseShape, DensePlan>,
 }
 
 // SAFETY: used only under the device state's mutex.
-unsafe impl Send for DenseGemm {}
+unsafe impl Send for CublasLt {}
 
-impl DenseGemm {
+impl CublasLt {
+    /// Creates the handle (cuBLASLt is loaded by cudarc on first use).
     pub fn new() -> Result<Self> {
         Ok(Self {
             handle: result::create_handle().map_err(err("create"))?,
@@ -179,6 +182,8 @@ impl DenseGemm {
             (&one_f as *const f32 as _, &zero_f as *const f32 as _)
         };
         let [a, b, d] = plan.layouts;
+        // SAFETY: the plan's descriptors match `shape`; the caller guarantees the pointers
+        // and the workspace; alpha and beta outlive the call.
         unsafe {
             result::matmul(
                 handle,
@@ -203,7 +208,7 @@ impl DenseGemm {
     }
 }
 
-impl Drop for DenseGemm {
+impl Drop for CublasLt {
     fn drop(&mut self) {
         // SAFETY: every object was created here and is destroyed once.
         unsafe {

@@ -4,57 +4,37 @@
 //! interface, shipped with every CUDA toolkit) reports the arguments of driver calls to a
 //! subscriber, including the `hStream` of `cuLaunchKernel`. We subscribe for the time of one
 //! probe launch with a grid no real kernel of ours uses, read its stream, and unsubscribe: no
-//! patch of cubecl, no cost on later launches. The library is loaded at run time; where it
+//! patch of cubecl, no cost on later launches. The struct layouts are cudarc's generated
+//! bindings; the library itself is loaded here (so `SLIDESPARSE_CUPTI` can point at it and a
+//! missing one is an error, not cudarc's panic). Where it
 //! is missing (or a profiler already holds CUPTI's single subscriber slot) discovery fails
 //! with an error and the caller falls back to host synchronization.
 
 use std::{
     ffi::{CStr, c_char, c_void},
+    path::PathBuf,
     sync::{Mutex, OnceLock},
 };
 
-use cudarc::driver::sys;
+use cudarc::{
+    cupti::sys::{
+        CUpti_ApiCallbackSite, CUpti_CallbackData, CUpti_CallbackDomain, cuLaunchKernel_params,
+    },
+    driver::sys,
+};
 use libloading::Library;
 
+use super::config::{Config, config};
 use crate::error::{Result, SlideSparseError};
 
 /// The grid of the probe launch (cubes in x, y, z): odd enough that no other launch matches.
 pub const PROBE_GRID: [u32; 3] = [5, 3, 7];
 
+/// `CUptiResult`, kept as an integer: CUPTI may return values newer than the bindings.
 type CuptiResult = u32;
 type Subscriber = *mut c_void;
+/// `CUpti_CallbackFunc` with the domain as an integer, for the same reason.
 type Callback = unsafe extern "C" fn(*mut c_void, u32, u32, *const c_void);
-
-/// `CUPTI_CB_DOMAIN_DRIVER_API`.
-const DOMAIN_DRIVER_API: u32 = 1;
-/// `CUPTI_API_ENTER`.
-const API_ENTER: u32 = 0;
-
-/// `CUpti_CallbackData` (cupti_callbacks.h, CUDA 12 and 13); declared for its layout.
-#[repr(C)]
-#[allow(dead_code)]
-struct CallbackData {
-    site: u32,
-    function_name: *const c_char,
-    function_params: *const c_void,
-    return_value: *mut c_void,
-    symbol_name: *const c_char,
-    context: *mut c_void,
-    context_uid: u32,
-    correlation_data: *mut u64,
-    correlation_id: u32,
-}
-
-/// The leading fields of `cuLaunchKernel_params` (generated_cuda_meta.h).
-#[repr(C)]
-#[allow(dead_code)]
-struct LaunchKernelParams {
-    function: *mut c_void,
-    grid: [u32; 3],
-    block: [u32; 3],
-    shared_mem_bytes: u32,
-    stream: sys::CUstream,
-}
 
 struct Cupti {
     _lib: Library,
@@ -65,26 +45,22 @@ struct Cupti {
 }
 
 /// Where libcupti is looked for: `SLIDESPARSE_CUPTI`, the loader path, the toolkit.
-fn candidates() -> Vec<String> {
-    let mut paths: Vec<String> = std::env::var("SLIDESPARSE_CUPTI").into_iter().collect();
-    paths.extend(
-        ["libcupti.so", "libcupti.so.13", "libcupti.so.12"]
-            .iter()
-            .map(|s| s.to_string()),
-    );
-    let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
+fn candidates(config: &Config) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = config.cupti.iter().cloned().collect();
+    paths.extend(["libcupti.so", "libcupti.so.13", "libcupti.so.12"].map(PathBuf::from));
     for dir in ["lib64", "extras/CUPTI/lib64", "targets/x86_64-linux/lib"] {
-        paths.push(format!("{cuda}/{dir}/libcupti.so"));
+        paths.push(config.cuda_path.join(dir).join("libcupti.so"));
     }
     paths
 }
 
 impl Cupti {
-    fn load() -> std::result::Result<Self, String> {
-        let tried = candidates();
+    fn load(config: &Config) -> std::result::Result<Self, String> {
+        let tried = candidates(config);
         for path in &tried {
+            let path = path.display();
             // SAFETY: loading a shared library runs its initializers; libcupti's are benign.
-            let Ok(lib) = (unsafe { Library::new(path) }) else {
+            let Ok(lib) = (unsafe { Library::new(path.to_string()) }) else {
                 continue;
             };
             // SAFETY: the symbol types match CUPTI's C declarations.
@@ -107,20 +83,21 @@ impl Cupti {
             };
             return Ok(cupti);
         }
+        let tried: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
         Err(format!(
             "libcupti not found (tried {}); set SLIDESPARSE_CUPTI to its path",
             tried.join(", ")
         ))
     }
 
-    fn check(&self, what: &str, status: CuptiResult) -> Result<()> {
+    fn check(&self, call: &'static str, status: CuptiResult) -> Result<()> {
         if status == 0 {
             return Ok(());
         }
         let mut text: *const c_char = std::ptr::null();
         // SAFETY: CUPTI writes a pointer to a static string.
         unsafe { (self.result_string)(status, &mut text) };
-        let text = if text.is_null() {
+        let message = if text.is_null() {
             String::new()
         } else {
             // SAFETY: non-null, NUL-terminated static string from CUPTI.
@@ -128,18 +105,24 @@ impl Cupti {
                 .to_string_lossy()
                 .into_owned()
         };
-        Err(SlideSparseError::Backend(format!(
-            "CUPTI {what} failed with status {status}: {text}"
-        )))
+        Err(SlideSparseError::Cupti {
+            call,
+            status,
+            message,
+        })
     }
 }
 
 fn cupti() -> Result<&'static Cupti> {
     static CUPTI: OnceLock<std::result::Result<Cupti, String>> = OnceLock::new();
+    let config = config()?;
     CUPTI
-        .get_or_init(Cupti::load)
+        .get_or_init(|| Cupti::load(config))
         .as_ref()
-        .map_err(|e| SlideSparseError::Backend(e.clone()))
+        .map_err(|detail| SlideSparseError::LibraryUnavailable {
+            library: "CUPTI",
+            detail: detail.clone(),
+        })
 }
 
 /// The stream of the last probe launch seen by the callback (as an integer: `Send`).
@@ -153,25 +136,30 @@ unsafe extern "C" fn on_driver_call(
     _callback_id: u32,
     data: *const c_void,
 ) {
-    if domain != DOMAIN_DRIVER_API || data.is_null() {
+    if domain != CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API as u32 || data.is_null() {
         return;
     }
     // SAFETY: for the driver domain CUPTI passes a `CUpti_CallbackData`.
-    let data = unsafe { &*(data as *const CallbackData) };
-    if data.site != API_ENTER || data.function_name.is_null() || data.function_params.is_null() {
+    let data = unsafe { &*(data as *const CUpti_CallbackData) };
+    if data.callbackSite != CUpti_ApiCallbackSite::CUPTI_API_ENTER
+        || data.functionName.is_null()
+        || data.functionParams.is_null()
+    {
         return;
     }
     // SAFETY: CUPTI's function names are NUL-terminated static strings.
-    let name = unsafe { CStr::from_ptr(data.function_name) }.to_bytes();
+    let name = unsafe { CStr::from_ptr(data.functionName) }.to_bytes();
     if name != b"cuLaunchKernel" && name != b"cuLaunchKernel_ptsz" {
         return;
     }
-    // SAFETY: both launch entry points pass a `cuLaunchKernel_params`.
-    let params = unsafe { &*(data.function_params as *const LaunchKernelParams) };
-    if params.grid == PROBE_GRID
+    // SAFETY: both launch entry points pass a `cuLaunchKernel_params` (the `_ptsz` struct
+    // has the same layout).
+    let params = unsafe { &*(data.functionParams as *const cuLaunchKernel_params) };
+    let grid = [params.gridDimX, params.gridDimY, params.gridDimZ];
+    if grid == PROBE_GRID
         && let Ok(mut seen) = SEEN_STREAM.lock()
     {
-        *seen = Some(params.stream as usize);
+        *seen = Some(params.hStream as usize);
     }
 }
 
@@ -190,7 +178,7 @@ pub fn stream_of_probe_launch(probe: impl FnOnce() -> Result<()>) -> Result<sys:
     cupti.check("cuptiSubscribe (is a profiler attached?)", status)?;
     // SAFETY: `subscriber` was just created.
     let enabled = cupti.check("cuptiEnableDomain", unsafe {
-        (cupti.enable_domain)(1, subscriber, DOMAIN_DRIVER_API)
+        (cupti.enable_domain)(1, subscriber, CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API as u32)
     });
     let probed = enabled.and_then(|_| probe());
     // SAFETY: unsubscribing the subscriber created above, whatever happened in between.
@@ -200,10 +188,9 @@ pub fn stream_of_probe_launch(probe: impl FnOnce() -> Result<()>) -> Result<sys:
     probed?;
     unsubscribed?;
     let seen = SEEN_STREAM.lock().unwrap_or_else(|e| e.into_inner()).take();
-    seen.map(|s| s as sys::CUstream).ok_or_else(|| {
-        SlideSparseError::Backend(
-            "CUPTI saw no launch of the stream probe kernel (cubecl launched it another way?)"
-                .into(),
-        )
-    })
+    seen.map(|s| s as sys::CUstream)
+        .ok_or_else(|| SlideSparseError::Unsupported {
+            what: "finding burn's stream through CUPTI".into(),
+            why: "CUPTI saw no launch of the probe kernel (cubecl launched it another way?)".into(),
+        })
 }

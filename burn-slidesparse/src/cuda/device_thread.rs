@@ -25,10 +25,9 @@ use cubecl::{Runtime as _, cuda::CudaDevice};
 use cubecl::{device::Device, device_handle::DeviceHandle};
 use cudarc::driver::sys;
 
-use super::backend::Runtime;
+use super::runtime::{Client, Runtime, cubecl_err};
 use crate::error::{Result, SlideSparseError};
 
-type Client = cubecl::client::ComputeClient<Runtime>;
 type Server = <Runtime as cubecl::Runtime>::Server;
 
 /// A closure sent to cubecl's device thread. It borrows the caller's plan and pointers;
@@ -55,7 +54,7 @@ pub(crate) fn on_burn_stream(
     let job = OnDeviceThread(enqueue);
     client
         .exclusive(move || job.run(stream))
-        .map_err(|e| SlideSparseError::Backend(format!("cubecl device thread: {e:?}")))?
+        .map_err(|e| cubecl_err("exclusive (device thread)")(&e))?
 }
 
 /// The raw handles a queued graph launch needs.
@@ -103,10 +102,7 @@ impl GraphLauncher {
             .take()
         {
             None => Ok(()),
-            Some(why) => Err(SlideSparseError::Backend(format!(
-                "an earlier replayed GEMM on this thread failed ({why}); that forward's \
-                 output was set to NaN"
-            ))),
+            Some(code) => Err(SlideSparseError::QueuedReplayFailed { code }),
         }
     }
 
@@ -139,7 +135,7 @@ impl GraphLauncher {
                     sys::cuMemsetD32Async(launch.poison, NAN_BITS, launch.poison_len, launch.stream)
                 };
                 *failure.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(format!("CUDA driver: cuGraphLaunch: {launched:?}"));
+                    Some(format!("cuGraphLaunch: {launched:?}"));
             }
         });
     }

@@ -14,20 +14,32 @@
 
 use std::sync::{Arc, Mutex};
 
-use cubecl::prelude::ComputeClient;
 use cudarc::driver::{result as cu, sys};
 
 use super::{
-    backend::Runtime,
     device_thread::on_burn_stream,
-    ordering::MAX_SPINS,
-    state::{DeviceState, device_state, driver_err},
+    driver::driver_err,
+    ordering::Lane,
+    runtime::Client,
+    side_kernels::SideKernels,
+    state::{DeviceState, device_state},
 };
 use crate::error::{Result, SlideSparseError};
+
+/// Polls of the spin kernel before it gives up (seconds on an H200).
+pub const MAX_SPINS: u32 = 1 << 26;
+
+fn gate_err(why: impl Into<String>) -> SlideSparseError {
+    SlideSparseError::Unsupported {
+        what: "stream gate".into(),
+        why: why.into(),
+    }
+}
 
 /// The gate of this thread's burn stream on one device (see the module docs).
 pub struct StreamGate {
     state: Arc<Mutex<DeviceState>>,
+    side: SideKernels,
     /// The flag the spin kernel waits on; the epoch of the last opening.
     flag: sys::CUdeviceptr,
     /// Where a spin that gave up records its epoch (0 while none has).
@@ -51,8 +63,9 @@ impl StreamGate {
         let state = device_state(index)?;
         state
             .lock()
-            .expect("device state poisoned")
+            .unwrap_or_else(|e| e.into_inner())
             .make_current()?;
+        let side = SideKernels::new()?;
         // SAFETY: the device's context is current; both allocations are 4 bytes, zeroed
         // synchronously before any kernel can read them.
         let (flag, timed_out) = unsafe {
@@ -68,6 +81,7 @@ impl StreamGate {
         };
         Ok(Self {
             state,
+            side,
             flag,
             timed_out,
             epoch: 0,
@@ -79,16 +93,16 @@ impl StreamGate {
 
     /// Closes the gate: burn's stream of this thread runs nothing enqueued from now on until
     /// [`open_and_time`](Self::open_and_time).
-    pub fn close(&mut self, client: &ComputeClient<Runtime>) -> Result<()> {
-        self.epoch = self.epoch.checked_add(1).ok_or_else(|| {
-            SlideSparseError::Backend("stream gate: epochs exhausted".to_string())
-        })?;
+    pub fn close(&mut self, client: &Client) -> Result<()> {
+        self.epoch = self
+            .epoch
+            .checked_add(1)
+            .ok_or_else(|| gate_err("epochs exhausted"))?;
         let (flag, timed_out, epoch, start) = (self.flag, self.timed_out, self.epoch, self.start);
-        let max_spins = self.max_spins;
-        let mut state = self.state.lock().expect("device state poisoned");
+        let (max_spins, side) = (self.max_spins, &self.side);
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
-        let DeviceState { lanes, side, .. } = &mut *state;
-        let stream = burn_stream(lanes.current(client)?, client)?;
+        let stream = burn_stream(state.lanes.current()?, client)?;
         on_burn_stream(client, stream, |stream| {
             // SAFETY: `stream` is burn's live stream; the flags are live 4-byte allocations.
             unsafe {
@@ -101,17 +115,13 @@ impl StreamGate {
     /// Opens the gate after everything enqueued since [`close`](Self::close), waits for that
     /// work to finish and returns its device time in milliseconds (from the opening to the
     /// end of the last piece of work).
-    pub fn open_and_time(&mut self, client: &ComputeClient<Runtime>) -> Result<f64> {
+    pub fn open_and_time(&mut self, client: &Client) -> Result<f64> {
         let end = self.end;
-        let mut state = self.state.lock().expect("device state poisoned");
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
-        let DeviceState {
-            lanes,
-            side,
-            stream,
-            ..
-        } = &mut *state;
-        let burn = burn_stream(lanes.current(client)?, client)?;
+        let burn = burn_stream(state.lanes.current()?, client)?;
+        let stream = &state.stream;
+        let side = &self.side;
         on_burn_stream(client, burn, |burn| {
             // SAFETY: `burn` is burn's live stream.
             unsafe { cu::event::record(end, burn) }.map_err(driver_err("cuEventRecord"))
@@ -129,22 +139,18 @@ impl StreamGate {
             .map_err(driver_err("cuMemcpyDtoH"))?;
         match u32::from_le_bytes(timed_out) {
             0 => Ok(ms as f64),
-            epoch => Err(SlideSparseError::Backend(format!(
-                "stream gate: the spin gave up before the gate opened (epoch {epoch}): the work \
-                 enqueued behind it waited for the device"
+            epoch => Err(gate_err(format!(
+                "the spin gave up before the gate opened (epoch {epoch}): the work enqueued \
+                 behind it waited for the device"
             ))),
         }
     }
 }
 
 /// burn's stream of `lane`'s thread, or why it is unknown (the gate needs it).
-fn burn_stream(
-    lane: &mut super::ordering::Lane,
-    client: &ComputeClient<Runtime>,
-) -> Result<sys::CUstream> {
-    lane.burn_stream(client).map_err(|why| {
-        SlideSparseError::Backend(format!("stream gate: burn's stream not found: {why}"))
-    })
+fn burn_stream(lane: &mut Lane, client: &Client) -> Result<sys::CUstream> {
+    lane.burn_stream(client)
+        .map_err(|why| gate_err(format!("burn's stream not found: {why}")))
 }
 
 impl Drop for StreamGate {

@@ -20,14 +20,17 @@ use std::collections::HashMap;
 use cudarc::driver::{result as cu, sys};
 
 use super::{
-    cublaslt::DenseShape, cusparselt::GemmShape, scratch::ForwardBuffer, state::driver_err,
+    buffers::ForwardBuffer, cublaslt::DenseShape, cusparselt::GemmShape, driver::driver_err,
 };
+use super::config::GraphMode;
 use crate::error::Result;
 
 /// The GEMM a graph was captured from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmCall {
+    /// A cuSPARSELt call.
     Sparse(GemmShape),
+    /// A cuBLASLt call.
     Dense(DenseShape),
 }
 
@@ -35,7 +38,9 @@ pub enum GemmCall {
 /// workspace; unused ones 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GraphKey {
+    /// The call's shape.
     pub call: GemmCall,
+    /// Weights, activations, output, alpha vector, workspace.
     pub pointers: [u64; 5],
 }
 
@@ -67,12 +72,12 @@ pub struct Replay {
 }
 
 impl Replay {
-    /// A call's replay under the device's settings: the key `key()` gives (`None` where
+    /// A call's replay under the device's graph mode: the key `key()` gives (`None` where
     /// its buffers are not kept) if graphs are on, else none.
-    pub fn new(use_graphs: bool, queued: bool, key: impl FnOnce() -> Option<GraphKey>) -> Self {
+    pub fn new(mode: GraphMode, key: impl FnOnce() -> Option<GraphKey>) -> Self {
         Self {
-            key: if use_graphs { key() } else { None },
-            queued,
+            key: if mode.replays() { key() } else { None },
+            queued: mode.queued(),
         }
     }
 }
@@ -122,6 +127,7 @@ impl GemmGraphs {
         let exec = match self.execs.get(&key) {
             Some(Some(exec)) => *exec,
             Some(None) => return enqueue(stream),
+            // SAFETY: the caller's contract covers the capture's call as well.
             None => match unsafe { self.capture(&mut enqueue) } {
                 Ok(exec) => {
                     self.keep(key, Some(exec));
@@ -146,8 +152,7 @@ impl GemmGraphs {
         let stream = match self.capture_stream {
             Some(s) => s,
             None => {
-                let s = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-                    .map_err(driver_err("cuStreamCreate"))?;
+                let s = super::driver::create_stream()?;
                 *self.capture_stream.insert(s)
             }
         };
@@ -181,7 +186,7 @@ impl GemmGraphs {
     /// defers the release until they complete). Launches still in cubecl's task queue
     /// (`device_thread.rs`) hold an exec by pointer, so this runs only where every task
     /// queued before it has run: on cubecl's device thread (a capture in `Stream` mode) or
-    /// after a sync of burn's stream (`Host` mode); `Flags` mode replays nothing.
+    /// after a sync of burn's stream (`Host` mode).
     fn clear(&mut self) {
         for exec in self.execs.drain().filter_map(|(_, exec)| exec) {
             // SAFETY: each exec is live and destroyed once.

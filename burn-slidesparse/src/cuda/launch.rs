@@ -18,14 +18,13 @@ use half::{bf16, f16};
 
 use super::{
     accumulator::{AccType, Accumulator},
-    backend::Runtime,
+    runtime::{Client, Runtime},
 };
 use crate::{
     error::{Result, SlideSparseError},
     quant::Precision,
 };
 
-type Client = ComputeClient<Runtime>;
 
 fn lift_mode(precision: Precision) -> LiftMode {
     match precision {
@@ -144,9 +143,12 @@ fn grouped_choice(
             let Some((units, per_unit)) = layout.filter(|&(u, _)| {
                 rows_per_cube >= 1 && (!staged_stores || stage_bytes(u) <= STAGED_STORE_BYTES)
             }) else {
-                return Err(SlideSparseError::Backend(format!(
-                    "the grouped quant kernel cannot take K = {k} (n = {n}) with {units:?} units, {rows_per_cube} rows per cube, staged stores {staged_stores}"
-                )));
+                return Err(SlideSparseError::Unsupported {
+                    what: "the grouped quant kernel".into(),
+                    why: format!(
+                        "it cannot take K = {k} (n = {n}) with {units:?} units, {rows_per_cube} rows per cube, staged stores {staged_stores}"
+                    ),
+                });
             };
             let layout = GroupedLayout {
                 units: units as usize,
@@ -187,9 +189,10 @@ pub fn launch_quant_lift_with(
     // row-staged kernel (an explicit grouped layout is refused instead).
     let whole_vectors = vo == 16 / elem;
     if matches!(kernel, QuantKernel::Grouped { .. }) && !whole_vectors {
-        return Err(SlideSparseError::Backend(format!(
-            "the grouped quant kernel needs K' = {k_out} to be whole 16-byte vectors"
-        )));
+        return Err(SlideSparseError::Unsupported {
+            what: "the grouped quant kernel".into(),
+            why: format!("it needs K' = {k_out} to be whole 16-byte vectors"),
+        });
     }
     let grouped = grouped_choice(kernel, k, n, (input_bytes, elem))?.filter(|_| whole_vectors);
     let (vi, dim, staged) = match grouped {

@@ -10,13 +10,14 @@
 
 use std::sync::Mutex;
 
-use cubecl::prelude::*;
 use cudarc::driver::result as cu;
 
-use super::{backend::Runtime, state::DeviceState};
+use super::{
+    driver::driver_err,
+    runtime::{Client, cubecl_err},
+    state::DeviceState,
+};
 use crate::error::{Result, SlideSparseError};
-
-type Client = ComputeClient<Runtime>;
 
 /// Requests below this size are not checked: checking costs a driver call and a round trip
 /// to cubecl's device thread (~10 us), nothing next to the work such a request feeds.
@@ -52,12 +53,11 @@ pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u6
     let (driver_free, total) = {
         let state = state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
-        cu::mem_get_info()
-            .map_err(|e| SlideSparseError::Backend(format!("CUDA driver: cuMemGetInfo: {e:?}")))?
+        cu::mem_get_info().map_err(driver_err("cuMemGetInfo"))?
     };
     let pool = client
         .memory_usage()
-        .map_err(|e| SlideSparseError::Backend(format!("cubecl memory usage: {e:?}")))?;
+        .map_err(|e| cubecl_err("memory_usage")(&e))?;
     let pool_free = pool
         .bytes_reserved
         .saturating_sub(pool.bytes_in_use + pool.bytes_padding);

@@ -1,26 +1,64 @@
-//! The CUDA path (feature `cuda`): cuSPARSELt bindings, per-device state and the
-//! `SlideSparseBackend` implementation for burn-cuda's `CubeBackend`.
+//! The CUDA path (feature `cuda`): the `SlideSparseBackend` implementation for burn-cuda's
+//! `CubeBackend`, with cuSPARSELt (and cuBLASLt for the dense baseline) ordered on burn's
+//! own stream.
+//!
+//! Layers, bottom to top; a module imports only from layers below it:
+//!
+//! 1. helpers: [`config`] (the environment, read once), `runtime` (cubecl types, device
+//!    pointers), `driver` (typed driver errors, device, context), `accumulator` (what a
+//!    GEMM writes);
+//! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
+//!    `cublaslt`, `cupti`, `side_kernels`; `algo_cache` (search results on disk);
+//! 3. buffers and ordering: `buffers` (held and kept device buffers), `graphs` (GEMM calls
+//!    replayed as CUDA graphs), `device_thread` (work on cubecl's device thread),
+//!    `ordering` (per-thread lanes; the GEMM on burn's stream), `launch` (kernel launches);
+//! 4. `state` (per-device state), `memory` (allocations checked against free memory);
+//! 5. `gemm` (the two library GEMMs behind one trait), `pipeline` (the one forward:
+//!    quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once);
+//! 6. `backend` (the burn backend impl), and the benchmark tool `gate`.
 
-pub mod accumulator;
-pub mod algo_cache;
-pub mod backend;
-pub mod cublaslt;
-pub mod cupti;
-pub mod cusparselt;
-pub mod cusparselt_sys;
-pub mod dense;
-pub mod device_thread;
-pub mod gate;
-pub mod graphs;
-pub mod launch;
-pub mod memory;
-pub mod ordering;
-pub mod scratch;
-pub mod side_kernels;
-pub mod state;
+/// Declares modules that are private, or public (doc-hidden) with the `internals` feature
+/// that the project's own GPU tests and benchmarks use.
+macro_rules! internal_modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
+        #[cfg(not(feature = "internals"))]
+        #[allow(dead_code)]
+        mod $name;
+    )*};
+}
 
-pub use backend::CudaPrepared;
+pub mod config;
+
+internal_modules!(
+    accumulator,
+    algo_cache,
+    backend,
+    buffers,
+    cublaslt,
+    cupti,
+    cusparselt,
+    device_thread,
+    driver,
+    gate,
+    gemm,
+    graphs,
+    launch,
+    memory,
+    ordering,
+    pipeline,
+    prepare,
+    runtime,
+    side_kernels,
+    state,
+);
+
+pub use backend::{CudaPrepared, DenseLayerGpu};
+pub use config::{Config, GraphMode, Settings, SyncMode};
+pub use driver::cuda_driver_present;
 
 /// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of
-/// activations and outputs; bf16 gives 16-bit GEMM accumulators, see `accumulator`).
+/// activations and outputs; bf16 gives 16-bit GEMM accumulators).
 pub type CudaBackend<F = f32> = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, i32, u8>;

@@ -1,10 +1,10 @@
-//! Two tiny CUDA kernels for *our* stream, compiled once per device with NVRTC.
+//! Two tiny CUDA kernels for streams that CubeCL does not launch on, compiled once with
+//! NVRTC: a spin wait on a device flag and a flag store. The stream gate (`gate.rs`) closes
+//! burn's stream with the spin and opens it with the store from a stream of ours.
 //!
-//! They exist because CubeCL can only launch on its own stream, and the driver's stream
-//! memory operations (`cuStreamWaitValue32`) reject cubecl's memory (it comes from the
-//! stream-ordered allocator: `CUDA_ERROR_INVALID_VALUE`, seen on the H200 host). A spin
-//! kernel on our stream waits for the flag that a CubeCL kernel sets on burn's stream, and a
-//! store kernel after the GEMM sets the flag that burn's stream waits for.
+//! They are kernels because the driver's stream memory operations (`cuStreamWaitValue32`)
+//! reject cubecl's memory (it comes from the stream-ordered allocator:
+//! `CUDA_ERROR_INVALID_VALUE`, seen on the H200 host).
 
 use std::ffi::{CString, c_void};
 
@@ -39,8 +39,11 @@ pub struct SideKernels {
 // state's mutex.
 unsafe impl Send for SideKernels {}
 
-fn err(what: &str, e: impl std::fmt::Debug) -> SlideSparseError {
-    SlideSparseError::Backend(format!("{what}: {e:?}"))
+fn err(call: &'static str, e: impl std::fmt::Debug) -> SlideSparseError {
+    SlideSparseError::Cuda {
+        call,
+        code: format!("{e:?}"),
+    }
 }
 
 impl SideKernels {

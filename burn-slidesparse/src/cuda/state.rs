@@ -1,114 +1,96 @@
-//! Per-device GPU state: the cuSPARSELt handle, our CUDA stream, the plan cache, the
-//! workspace and the algorithm cache. One per device, behind a mutex: cuSPARSELt calls on
-//! a handle are serialized through it.
+//! Per-device GPU state: the context, a stream of ours, the cuSPARSELt handle, the plan and
+//! algorithm caches, the cuBLASLt baseline, the per-thread lanes and the settings forwards
+//! run under. One per device, behind a mutex: cuSPARSELt calls on a handle are serialized
+//! through it.
 
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex, OnceLock},
 };
 
-use cudarc::driver::{result as cu, sys};
+use cudarc::driver::sys;
 
 use super::{
     algo_cache::AlgoCache,
-    cublaslt::DenseGemm,
+    config::{Settings, config},
+    cublaslt::CublasLt,
     cusparselt::{GemmShape, LtHandle, SparsePlan},
-    ordering::{Lanes, SyncMode},
-    side_kernels::SideKernels,
+    driver::{self, Context, create_stream, cuda_device},
+    ordering::Lanes,
 };
-use crate::error::{Result, SlideSparseError};
+use crate::error::Result;
 
 /// Everything SlideSparse keeps per CUDA device.
 pub struct DeviceState {
-    pub lt: LtHandle,
-    /// A stream of ours for one-off work (weight compression, benchmarks); forwards use
-    /// per-thread lanes (`ordering.rs`).
+    /// The device's primary context (cubecl's).
+    pub context: Context,
+    /// A stream of ours for one-off work (weight compression, algorithm search,
+    /// benchmarks); forwards use per-thread lanes (`ordering.rs`).
     pub stream: sys::CUstream,
-    pub context: sys::CUcontext,
+    /// The cuSPARSELt handle.
+    pub lt: LtHandle,
+    /// The device's name, part of the algorithm cache's keys.
     pub gpu_name: String,
-    pub plans: HashMap<GemmShape, SparsePlan>,
-    pub algos: AlgoCache,
+    plans: HashMap<GemmShape, SparsePlan>,
+    algos: AlgoCache,
     /// cuBLASLt for the dense baseline, created on first use (`dense_gemm`).
-    pub dense: Option<DenseGemm>,
-    /// Per-thread streams and flags of the GEMM ordering.
+    dense: Option<CublasLt>,
+    /// Per-thread streams, buffers and graphs.
     pub lanes: Lanes,
-    pub sync_mode: SyncMode,
-    /// Whether GEMM calls on kept buffers are replayed as CUDA graphs (`graphs.rs`); on by
-    /// default, off with `SLIDESPARSE_GRAPHS=off`.
-    pub use_graphs: bool,
-    /// Whether the launches of captured graphs are queued on cubecl's device thread without
-    /// waiting (`device_thread.rs`); on by default, off with `SLIDESPARSE_GRAPHS=blocking`.
-    pub queue_replays: bool,
-    /// Wait/signal kernels for our streams.
-    pub side: SideKernels,
+    settings: Settings,
 }
 
-// SAFETY: the raw stream/context pointers are only used while holding the state's mutex,
-// with the context made current on the calling thread first.
+// SAFETY: the raw stream pointer is only used while holding the state's mutex, with the
+// context made current on the calling thread first.
 unsafe impl Send for DeviceState {}
-
-/// (`use_graphs`, `queue_replays`) from `SLIDESPARSE_GRAPHS`: `off`, `blocking`, or
-/// anything else (the default: graphs whose launches are queued).
-fn graphs_from_env() -> (bool, bool) {
-    match std::env::var("SLIDESPARSE_GRAPHS").as_deref() {
-        Ok("off") => (false, false),
-        Ok("blocking") => (true, false),
-        _ => (true, true),
-    }
-}
-
-/// Maps a CUDA driver error of the call `what` to a backend error.
-pub(super) fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> SlideSparseError + '_ {
-    move |e| SlideSparseError::Backend(format!("CUDA driver: {what}: {e:?}"))
-}
 
 impl DeviceState {
     fn new(index: usize) -> Result<Self> {
+        let config = config()?;
         let device = cuda_device(index)?;
-        // SAFETY: `device` is valid; the primary context is the one cubecl-cuda uses.
-        let context = unsafe { cu::primary_ctx::retain(device) }
-            .map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-        // SAFETY: `context` was just retained.
-        unsafe { cu::ctx::set_current(context) }.map_err(driver_err("cuCtxSetCurrent"))?;
-        let gpu_name = cu::device::get_name(device).unwrap_or_else(|_| format!("cuda:{index}"));
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-            .map_err(driver_err("cuStreamCreate"))?;
-        let lt = LtHandle::new()?;
-        let (use_graphs, queue_replays) = graphs_from_env();
+        let context = Context::retain(device)?;
+        let gpu_name = cudarc::driver::result::device::get_name(device)
+            .unwrap_or_else(|_| format!("cuda:{index}"));
         Ok(Self {
-            lt,
-            stream,
             context,
+            stream: create_stream()?,
+            lt: LtHandle::new(config)?,
             gpu_name,
             plans: HashMap::new(),
-            algos: AlgoCache::open(),
+            algos: AlgoCache::open(config),
             dense: None,
             lanes: Lanes::new(index),
-            sync_mode: SyncMode::from_env(),
-            use_graphs,
-            queue_replays,
-            side: SideKernels::new()?,
+            settings: config.settings,
         })
     }
 
-    /// Puts the ordering and replay settings back to their defaults (those of the
-    /// environment), after a test or benchmark changed them.
-    pub fn restore_default_settings(&mut self) {
-        self.sync_mode = SyncMode::from_env();
-        (self.use_graphs, self.queue_replays) = graphs_from_env();
+    /// The settings forwards on this device run under (from the environment unless
+    /// changed with [`set_settings`](Self::set_settings)).
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
+    /// Changes the ordering and replay settings (tests and benchmarks compare them).
+    pub fn set_settings(&mut self, settings: Settings) {
+        self.settings = settings;
+    }
+
+    /// Puts the settings back to those of the environment.
+    pub fn restore_default_settings(&mut self) -> Result<()> {
+        self.settings = config()?.settings;
+        Ok(())
     }
 
     /// Makes the device's context current on this thread (cheap; needed because burn may
     /// call from any thread).
     pub fn make_current(&self) -> Result<()> {
-        // SAFETY: the context is retained for the life of the process.
-        unsafe { cu::ctx::set_current(self.context) }.map_err(driver_err("cuCtxSetCurrent"))
+        self.context.make_current()
     }
 
     /// Blocks until everything enqueued on our stream is done.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: our stream is valid.
-        unsafe { cu::stream::synchronize(self.stream) }.map_err(driver_err("cuStreamSynchronize"))
+        // SAFETY: our stream is live for the life of the state.
+        unsafe { driver::synchronize(self.stream) }
     }
 
     /// The cached plan of a shape, built on first use with the remembered algorithm (if any).
@@ -122,9 +104,9 @@ impl DeviceState {
     }
 
     /// The dense-baseline GEMM of this device.
-    pub fn dense_gemm(&mut self) -> Result<&mut DenseGemm> {
+    pub fn dense_gemm(&mut self) -> Result<&mut CublasLt> {
         if self.dense.is_none() {
-            self.dense = Some(DenseGemm::new()?);
+            self.dense = Some(CublasLt::new()?);
         }
         Ok(self.dense.as_mut().expect("set above"))
     }
@@ -148,31 +130,14 @@ impl DeviceState {
         let key = AlgoCache::key(&self.gpu_name, self.lt.version, shape);
         self.algos.insert(key, config_id);
     }
-}
 
-/// Whether the CUDA driver library can be loaded on this machine.
-pub fn cuda_driver_present() -> bool {
-    // SAFETY: only probes whether the driver library can be loaded.
-    unsafe { sys::is_culib_present() }
-}
-
-/// Device `index`, or [`SlideSparseError::NoGpu`] saying why there is none: no driver library
-/// (cudarc would panic on the first driver call), no device, or an index past the last one.
-fn cuda_device(index: usize) -> Result<sys::CUdevice> {
-    if !cuda_driver_present() {
-        return Err(SlideSparseError::NoGpu(
-            "the CUDA driver library (libcuda.so) is not installed".into(),
-        ));
+    /// The plans, the lanes and the cuBLASLt baseline at once (a GEMM call borrows all
+    /// three).
+    pub(crate) fn parts(
+        &mut self,
+    ) -> (&LtHandle, &mut HashMap<GemmShape, SparsePlan>, &mut Lanes, Option<&mut CublasLt>) {
+        (&self.lt, &mut self.plans, &mut self.lanes, self.dense.as_mut())
     }
-    cu::init().map_err(|e| SlideSparseError::NoGpu(format!("cuInit failed: {e:?}")))?;
-    let count = cu::device::get_count()
-        .map_err(|e| SlideSparseError::NoGpu(format!("cuDeviceGetCount failed: {e:?}")))?;
-    if index >= count.max(0) as usize {
-        return Err(SlideSparseError::NoGpu(format!(
-            "device {index} requested, {count} present"
-        )));
-    }
-    cu::device::get(index as i32).map_err(driver_err("cuDeviceGet"))
 }
 
 type States = Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>;
@@ -190,4 +155,22 @@ pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
     let state = Arc::new(Mutex::new(DeviceState::new(index)?));
     states.insert(index, state.clone());
     Ok(state)
+}
+
+/// Changes the graph mode of device `index`'s forwards (tests and benchmarks).
+pub fn set_graph_mode(index: usize, graphs: super::config::GraphMode) -> Result<()> {
+    let state = device_state(index)?;
+    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+    let settings = state.settings();
+    state.set_settings(Settings { graphs, ..settings });
+    Ok(())
+}
+
+/// Changes how device `index`'s GEMMs join burn's stream (tests and benchmarks).
+pub fn set_sync_mode(index: usize, sync: super::config::SyncMode) -> Result<()> {
+    let state = device_state(index)?;
+    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+    let settings = state.settings();
+    state.set_settings(Settings { sync, ..settings });
+    Ok(())
 }

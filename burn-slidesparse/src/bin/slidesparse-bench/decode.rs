@@ -23,7 +23,11 @@ use burn::{
 use burn_cubecl::tensor::CubeTensor;
 use burn_slidesparse::{
     PackOptions, Precision, SlideSparseLinear, SparsityPattern,
-    cuda::{dense::DenseLayerGpu, gate::StreamGate, state::device_state},
+    cuda::{
+        DenseLayerGpu, GraphMode,
+        gate::StreamGate,
+        state::{device_state, set_graph_mode},
+    },
     pack_linear,
     quant::quantize_weight,
 };
@@ -233,10 +237,14 @@ fn time_block(
     };
     let wall = wall_ms();
     let wall_blocking = if ours {
-        let state = device_state(0).expect("GPU state");
-        state.lock().unwrap().queue_replays = false;
+        set_graph_mode(0, GraphMode::Blocking).expect("GPU state");
         let blocking = wall_ms();
-        state.lock().unwrap().restore_default_settings();
+        let state = device_state(0).expect("GPU state");
+        state
+            .lock()
+            .unwrap()
+            .restore_default_settings()
+            .expect("configuration");
         blocking
     } else {
         wall

@@ -15,14 +15,15 @@ use burn::{
 use burn_slidesparse::{
     PackOptions, Precision, SlideSparseLinear, SparsityPattern,
     cuda::{
+        DenseLayerGpu, GraphMode,
         accumulator::Accumulator,
-        backend::{m_pad, run_sparse_gemm},
+        buffers::ForwardBuffer,
         cublaslt::{DenseShape, WORKSPACE},
         cusparselt::{self, GemmPointers, GemmShape},
-        dense::DenseLayerGpu,
+        gemm::{GemmBuffers, LayerGemm},
         launch::{launch_epilogue, launch_quant_lift},
-        scratch::ForwardBuffer,
-        state::device_state,
+        pipeline::m_pad,
+        state::{device_state, set_graph_mode},
     },
     pack_linear,
     quant::quantize_weight,
@@ -195,7 +196,12 @@ pub fn host_bench(args: &Args) {
                 ),
                 ("sparse GEMM, kept buffers (CUDA graph, queued)", true, true),
             ] {
-                state.lock().unwrap().queue_replays = queued;
+                let mode = if queued {
+                    GraphMode::Queued
+                } else {
+                    GraphMode::Blocking
+                };
+                set_graph_mode(0, mode).expect("GPU state");
                 let (codes, acc) = (buffer(&codes, kept), buffer(&acc, kept));
                 let scales = buffer(&scales, kept);
                 rows.push((
@@ -203,15 +209,16 @@ pub fn host_bench(args: &Args) {
                     per_call_us(
                         reps,
                         |_| {
-                            run_sparse_gemm(
-                                &client,
-                                &prepared,
-                                &codes,
-                                &acc,
-                                (mp, accumulator),
-                                (&scales, mp),
-                            )
-                            .unwrap()
+                            let mut state = state.lock().unwrap();
+                            state.make_current().unwrap();
+                            let buffers = GemmBuffers {
+                                codes: &codes,
+                                acc: &acc,
+                                token_scales: &scales,
+                            };
+                            let gemm = &prepared.gemm;
+                            gemm.run(&client, &mut state, mp, accumulator, buffers)
+                                .unwrap()
                         },
                         sync,
                     ),
@@ -235,11 +242,12 @@ pub fn host_bench(args: &Args) {
                 ),
                 (true, true, "SlideSparse forward 6:8", "dense forward"),
             ] {
-                {
-                    let mut state = state.lock().unwrap();
-                    state.use_graphs = graphs;
-                    state.queue_replays = queued;
-                }
+                let mode = match (graphs, queued) {
+                    (false, _) => GraphMode::Off,
+                    (true, false) => GraphMode::Blocking,
+                    (true, true) => GraphMode::Queued,
+                };
+                set_graph_mode(0, mode).expect("GPU state");
                 rows.push((
                     sparse_piece,
                     per_call_us(

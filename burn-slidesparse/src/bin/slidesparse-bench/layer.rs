@@ -23,12 +23,11 @@ use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
     PackOptions, Precision, SlideSparseLinear, SparsityPattern,
     cuda::{
+        DenseLayerGpu, SyncMode,
         accumulator::Accumulator,
-        backend::m_pad,
-        dense::DenseLayerGpu,
         launch::{QuantKernel, launch_epilogue, launch_quant_lift_with},
-        ordering::SyncMode,
-        state::device_state,
+        pipeline::m_pad,
+        state::{device_state, set_sync_mode},
     },
     pack_linear,
     quant::quantize_weight,
@@ -206,7 +205,7 @@ pub fn layer_bench(args: &Args) {
                             sparse,
                             &xs,
                             &prims,
-                            (args.reps, args.decode_designs),
+                            args.reps,
                             &model,
                             (n, k, m),
                         ));
@@ -286,7 +285,7 @@ fn ordering_cost(
     sparse: &[(SparsityPattern, SlideSparseLinear<Gpu>)],
     xs: &[Tensor<Gpu, 2>],
     prims: &[burn_cubecl::tensor::CubeTensor<CudaRuntime>],
-    (reps, with_flags): (usize, bool),
+    reps: usize,
     model: &str,
     (n, k, m): (usize, usize, usize),
 ) -> Vec<serde_json::Value> {
@@ -297,14 +296,10 @@ fn ordering_cost(
         .expect("6:8 benchmarked")
         .1;
     let state = device_state(0).unwrap();
-    let mut modes = vec![SyncMode::Stream, SyncMode::Host];
-    if with_flags {
-        modes.push(SyncMode::Flags);
-    }
-    let rows = modes
+    let rows = [SyncMode::Stream, SyncMode::Host]
         .into_iter()
         .map(|mode| {
-            state.lock().unwrap().sync_mode = mode;
+            set_sync_mode(0, mode).expect("GPU state");
             let dense_fwd = |i: usize| {
                 let _ = dense.forward(&prims[i % rot]).unwrap();
             };
@@ -329,7 +324,11 @@ fn ordering_cost(
             })
         })
         .collect();
-    state.lock().unwrap().restore_default_settings();
+    state
+        .lock()
+        .unwrap()
+        .restore_default_settings()
+        .expect("configuration");
     rows
 }
 

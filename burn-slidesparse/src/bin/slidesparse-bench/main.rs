@@ -48,12 +48,6 @@ struct Args {
     reps: usize,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
-    /// Layer mode: also time the opt-in device-flag ordering at decode (M <= 64, INT8; the
-    /// stream and host designs are always timed there). Off
-    /// by default: it stalls for seconds when cuSPARSELt's persistent kernels wait for the
-    /// SM its spin kernel holds (see docs/benchmarks.md).
-    #[arg(long)]
-    decode_designs: bool,
     /// Quant mode: row lengths K to time.
     #[arg(long, default_value = "3584,4096,14336,18944")]
     k: String,
@@ -254,7 +248,7 @@ fn gemm_bench(args: &Args) {
     println!(
         "GPU: {}, cuSPARSELt {}",
         st.gpu_name,
-        cusparselt::version_string(st.lt.version)
+        cusparselt::result::version_string(st.lt.version)
     );
     // results[(model, precision, M)] = (dense ms, [sparse ms per pattern])
     let mut results: BTreeMap<(String, String, usize), (f64, Vec<f64>)> = BTreeMap::new();

@@ -8,8 +8,8 @@ use burn::tensor::{DType, Distribution, Tensor};
 use burn_slidesparse::{
     Precision, SparsityPattern,
     cuda::{
-        backend::m_pad,
         launch::{QuantKernel, launch_quant_lift_with},
+        pipeline::m_pad,
     },
 };
 use cubecl::{Runtime, cuda::CudaRuntime, server::Handle};

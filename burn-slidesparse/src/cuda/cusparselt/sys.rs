@@ -2,18 +2,21 @@
 //! so that nothing links against the library at build time (CI has no CUDA libraries).
 //!
 //! Only the calls SlideSparse needs are bound. Enum values follow `cusparseLt.h` and
-//! `library_types.h`; see `shared/docs/cusparselt.md`.
+//! `library_types.h`; `docs/cusparselt.md` lists what the bindings rely on.
 
 #![allow(non_camel_case_types, non_snake_case)]
 
 use std::{
-    ffi::{CStr, c_char, c_int, c_void},
+    ffi::{c_char, c_int, c_void},
     path::PathBuf,
 };
 
 use libloading::Library;
 
-use crate::error::{Result, SlideSparseError};
+use crate::{
+    cuda::config::Config,
+    error::{Result, SlideSparseError},
+};
 
 /// `cusparseStatus_t`.
 pub type Status = c_int;
@@ -118,23 +121,15 @@ bindings! {
 const LIBRARY_NAME: &str = "libcusparseLt.so.0";
 
 /// Places to look for the library, in order: `SLIDESPARSE_CUSPARSELT` (a file), the loader
-/// path (bare name), then the pip wheels' folders under every `site-packages` we can guess.
-pub fn candidate_paths() -> Vec<PathBuf> {
-    let mut paths = Vec::new();
-    if let Some(p) = std::env::var_os("SLIDESPARSE_CUSPARSELT") {
-        paths.push(PathBuf::from(p));
-    }
+/// path (bare name), then the pip wheels' folders under every Python environment we know of.
+pub fn candidate_paths(config: &Config) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = config.cusparselt.iter().cloned().collect();
     paths.push(PathBuf::from(LIBRARY_NAME));
-    let mut roots: Vec<PathBuf> = Vec::new();
-    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(v) = std::env::var_os(var) {
-            roots.push(PathBuf::from(v));
-        }
-    }
-    roots.extend(["/opt/torch/.venv", "/usr/local", "/usr"].map(PathBuf::from));
-    if let Some(home) = std::env::var_os("HOME") {
-        roots.push(PathBuf::from(home).join(".local"));
-    }
+    let roots = config
+        .python_roots
+        .iter()
+        .cloned()
+        .chain(["/opt/torch/.venv", "/usr/local", "/usr"].map(PathBuf::from));
     for root in roots {
         for py in [
             "python3.10",
@@ -155,9 +150,9 @@ pub fn candidate_paths() -> Vec<PathBuf> {
 
 impl CusparseLt {
     /// Loads the first library that opens and exports every entry point.
-    pub fn load() -> Result<Self> {
+    pub fn load(config: &Config) -> Result<Self> {
         let mut tried = Vec::new();
-        for path in candidate_paths() {
+        for path in candidate_paths(config) {
             if path.components().count() > 1 && !path.exists() {
                 continue;
             }
@@ -173,34 +168,18 @@ impl CusparseLt {
                 Err(e) => tried.push(format!("{} ({e})", path.display())),
             }
         }
-        Err(SlideSparseError::Backend(format!(
-            "cuSPARSELt (libcusparseLt.so.0, >= 0.8) not found. Install it (pip install \
-             nvidia-cusparselt-cu13, or NVIDIA's package) and/or set SLIDESPARSE_CUSPARSELT to \
-             the library file. Tried: {}",
-            if tried.is_empty() {
-                "nothing that exists".to_string()
-            } else {
-                tried.join("; ")
-            }
-        )))
-    }
-
-    /// Turns a status into a result carrying `cusparseLtGetErrorString`.
-    pub fn check(&self, status: Status, call: &str) -> Result<()> {
-        if status == 0 {
-            return Ok(());
-        }
-        // SAFETY: the library returns a static NUL-terminated string for any status.
-        let text = unsafe {
-            let p = (self.cusparseLtGetErrorString)(status);
-            if p.is_null() {
-                "unknown error".into()
-            } else {
-                CStr::from_ptr(p).to_string_lossy()
-            }
-        };
-        Err(SlideSparseError::Backend(format!(
-            "cuSPARSELt {call} failed with status {status}: {text}"
-        )))
+        Err(SlideSparseError::LibraryUnavailable {
+            library: "cuSPARSELt",
+            detail: format!(
+                "libcusparseLt.so.0 (>= 0.8) did not load. Install it (pip install \
+                 nvidia-cusparselt-cu13, or NVIDIA's package) and/or set SLIDESPARSE_CUSPARSELT \
+                 to the library file. Tried: {}",
+                if tried.is_empty() {
+                    "nothing that exists".to_string()
+                } else {
+                    tried.join("; ")
+                }
+            ),
+        })
     }
 }

@@ -9,15 +9,11 @@
 //! forwards on that thread's stream (cubecl's, or the lane's with a synchronization behind
 //! it), so one forward's kernels finish using a buffer before the next forward's kernels
 //! overwrite it, whichever layer that is. The output is never kept: it is the caller's tensor.
-//! (The opt-in flags ordering breaks that premise, a timed-out wait lets burn's stream run
-//! ahead of a late GEMM, so it allocates per call: `backend::forward_scratch`.)
 
-use cubecl::{prelude::*, server::Handle};
+use cubecl::server::Handle;
 
-use super::backend::{Runtime, ptr};
+use super::runtime::{Client, device_ptr as ptr};
 use crate::error::Result;
-
-type Client = ComputeClient<Runtime>;
 
 /// Forwards whose three intermediate buffers together need more than this allocate them per
 /// call instead: there the allocation is nothing next to the work, and keeping buffers of
@@ -30,10 +26,12 @@ pub const KEEP_UP_TO_BYTES: usize = 16 << 20;
 #[derive(Clone)]
 pub struct HeldBuffer {
     _handle: Handle,
+    /// The device pointer.
     pub ptr: u64,
 }
 
 impl HeldBuffer {
+    /// Holds `handle` and resolves its pointer.
     pub fn new(client: &Client, handle: Handle) -> Result<Self> {
         let ptr = ptr(client, &handle)?;
         Ok(Self {
@@ -70,6 +68,7 @@ impl KeptBuffer {
 /// which stays the same until the buffer grows) or a fresh allocation.
 #[derive(Clone)]
 pub struct ForwardBuffer {
+    /// The allocation.
     pub handle: Handle,
     /// The device pointer when the buffer is kept (so stable across calls), else `None`
     /// (resolved where the GEMM is enqueued).

@@ -5,10 +5,17 @@
 use std::ffi::c_void;
 
 use super::{
-    accumulator::{AccType, Accumulator},
-    cusparselt_sys::{self as sys, CusparseLt, Opaque, Stream},
+    result::{MIN_VERSION, version_string},
+    sys::{self, CusparseLt, Opaque, Stream},
 };
-use crate::{error::Result, quant::Precision};
+use crate::{
+    cuda::{
+        accumulator::{AccType, Accumulator},
+        config::Config,
+    },
+    error::{Result, SlideSparseError},
+    quant::Precision,
+};
 
 /// One cuSPARSELt handle (bound to the device current when it was made).
 pub struct LtHandle {
@@ -22,14 +29,14 @@ unsafe impl Send for LtHandle {}
 
 impl LtHandle {
     /// Loads the library and creates a handle on the current device.
-    pub fn new() -> Result<Self> {
-        let lib = CusparseLt::load()?;
+    pub fn new(config: &Config) -> Result<Self> {
+        let lib = CusparseLt::load(config)?;
         let mut handle = Opaque::boxed();
         // SAFETY: `handle` is a writable, aligned, 1 KiB opaque struct.
         lib.check(unsafe { (lib.cusparseLtInit)(&mut *handle) }, "Init")?;
         let mut version = 0;
-        // SAFETY: the handle was initialized above.
         lib.check(
+            // SAFETY: the handle was initialized above.
             unsafe { (lib.cusparseLtGetVersion)(&*handle, &mut version) },
             "GetVersion",
         )?;
@@ -38,12 +45,16 @@ impl LtHandle {
             handle,
             version,
         };
-        if version < 800 {
-            return Err(crate::SlideSparseError::Backend(format!(
-                "cuSPARSELt {} at {} is too old: 0.8 or newer is needed",
-                version_string(version),
-                this.lib.path.display()
-            )));
+        if version < MIN_VERSION {
+            return Err(SlideSparseError::LibraryUnavailable {
+                library: "cuSPARSELt",
+                detail: format!(
+                    "{} at {} is too old: {} or newer is needed",
+                    version_string(version),
+                    this.lib.path.display(),
+                    version_string(MIN_VERSION)
+                ),
+            });
         }
         Ok(this)
     }
@@ -58,16 +69,6 @@ impl Drop for LtHandle {
         // SAFETY: initialized in `new`, destroyed once here.
         unsafe { (self.lib.cusparseLtDestroy)(&*self.handle) };
     }
-}
-
-/// `major.minor.patch` of a cuSPARSELt version number (`major*1000 + minor*100 + patch`).
-pub fn version_string(version: i32) -> String {
-    format!(
-        "{}.{}.{}",
-        version / 1000,
-        version % 1000 / 100,
-        version % 100
-    )
 }
 
 /// cuSPARSELt types of one GEMM: (input, output/C/D, compute).
@@ -206,6 +207,7 @@ pub unsafe fn prune_check(
     d_valid: u64,
     stream: Stream,
 ) -> Result<()> {
+    // SAFETY: the caller's contract; `desc` describes the weight.
     let status = unsafe {
         (lt.lib.cusparseLtSpMMAPruneCheck2)(
             lt.raw(),
@@ -232,6 +234,7 @@ pub unsafe fn compress(
     d_buffer: u64,
     stream: Stream,
 ) -> Result<()> {
+    // SAFETY: the caller's contract; `desc` describes the weight.
     let status = unsafe {
         (lt.lib.cusparseLtSpMMACompress2)(
             lt.raw(),
@@ -433,6 +436,8 @@ impl SparsePlan {
         let (one, beta) = (1.0f32, 0.0f32);
         let alpha = self.alpha_pointer(&one, p.alpha);
         let mut streams = [stream];
+        // SAFETY: the caller's contract; the plan is initialized; alpha, beta and the stream
+        // array outlive the call.
         let status = unsafe {
             (lt.lib.cusparseLtMatmul)(
                 lt.raw(),
@@ -466,6 +471,7 @@ impl SparsePlan {
         let (one, beta) = (1.0f32, 0.0f32);
         let alpha = self.alpha_pointer(&one, p.alpha);
         let mut streams = [stream];
+        // SAFETY: as in `run`; the search is blocking and may rewrite the plan.
         let status = unsafe {
             (lt.lib.cusparseLtMatmulSearch)(
                 lt.raw(),
@@ -484,6 +490,7 @@ impl SparsePlan {
         lt.lib.check(status, "MatmulSearch")?;
         self.config_id = self.read_config_id(lt)?;
         // The winner may need a different workspace; the caller re-reads it.
+        // SAFETY: a valid plan; the output is a plain integer.
         unsafe {
             lt.lib.check(
                 (lt.lib.cusparseLtMatmulGetWorkspace)(lt.raw(), &*self.plan, &mut self.workspace),

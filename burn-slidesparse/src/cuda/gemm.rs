@@ -1,0 +1,210 @@
+//! The two library GEMMs a forward can run, behind one trait: cuSPARSELt on the slid 2:4
+//! weight at `K'` (the SlideSparse layer) and cuBLASLt on the dense weight at `K` (the
+//! dense quantized baseline). Both are ordered on burn's stream the same way
+//! (`ordering.rs`) and replayed as CUDA graphs on kept buffers (`graphs.rs`).
+
+use burn::tensor::DType;
+
+use super::{
+    accumulator::Accumulator,
+    buffers::{ForwardBuffer, HeldBuffer},
+    cublaslt::{DenseShape, WORKSPACE},
+    cusparselt::{GemmPointers, GemmShape, sys::Stream},
+    graphs::{GemmCall, GraphKey, Replay},
+    ordering::run_ordered,
+    runtime::{Client, device_ptr, sync_burn_stream},
+    state::DeviceState,
+};
+use crate::{error::Result, quant::Precision};
+
+/// The buffers one GEMM call reads and writes.
+#[derive(Clone, Copy)]
+pub struct GemmBuffers<'a> {
+    /// The quantized (and lifted) activations `[m_pad, k_out]`.
+    pub codes: &'a ForwardBuffer,
+    /// The accumulator `[m_pad, n_pad]`.
+    pub acc: &'a ForwardBuffer,
+    /// The per-token scales `[m_pad]`, NaN-filled if a queued replay fails.
+    pub token_scales: &'a ForwardBuffer,
+}
+
+/// A layer's GEMM: its weights on the device and how to multiply activations by them.
+pub trait LayerGemm: Clone + Send + Sync + 'static {
+    /// The layer's name in errors.
+    const LAYER: &'static str;
+
+    /// What the GEMM writes for a layer of `precision` whose output has dtype `out`.
+    fn accumulator(precision: Precision, out: DType) -> Accumulator;
+
+    /// Enqueues `acc = codes . W^T` for `m_pad` rows, ordered between burn's kernels.
+    fn run(
+        &self,
+        client: &Client,
+        state: &mut DeviceState,
+        m_pad: usize,
+        accumulator: Accumulator,
+        buffers: GemmBuffers<'_>,
+    ) -> Result<()>;
+}
+
+/// The compressed 2:4 weight `W' [n_pad, K']` for cuSPARSELt.
+#[derive(Clone)]
+pub struct SparseGemm {
+    /// cuSPARSELt's compressed copy of the weight.
+    pub(crate) compressed: HeldBuffer,
+    /// The weight scales padded with zeros to `n_pad`: cuSPARSELt's alpha vector (INT8).
+    pub(crate) alpha: HeldBuffer,
+    /// The weight's rows padded to the structured-matrix multiple.
+    pub n_pad: usize,
+    /// `K'`.
+    pub k_prime: usize,
+    /// The GEMM's input precision.
+    pub precision: Precision,
+}
+
+/// Workspace offered to `MatmulSearch` (it tries every algorithm).
+const SEARCH_WORKSPACE: usize = 256 << 20;
+
+impl SparseGemm {
+    fn pointers(&self, client: &Client, buffers: GemmBuffers<'_>) -> Result<GemmPointers> {
+        Ok(GemmPointers {
+            weight: self.compressed.ptr,
+            act: buffers.codes.pointer(client)?,
+            out: buffers.acc.pointer(client)?,
+            alpha: self.alpha.ptr,
+        })
+    }
+
+    /// Runs `MatmulSearch` for a new M bucket (blocking, once) and remembers the winner.
+    fn search_once(
+        &self,
+        client: &Client,
+        state: &mut DeviceState,
+        shape: GemmShape,
+        pointers: GemmPointers,
+    ) -> Result<()> {
+        let workspace_bytes = state.plan(shape)?.workspace;
+        let workspace = client.empty(SEARCH_WORKSPACE.max(workspace_bytes));
+        let p_ws = device_ptr(client, &workspace)?;
+        sync_burn_stream(client)?;
+        let stream = state.stream as Stream;
+        let (lt, plans, _, _) = state.parts();
+        let plan = plans.get_mut(&shape).expect("built by the caller");
+        // SAFETY: live cubecl allocations of this plan's shapes, held until the sync below.
+        let id = unsafe { plan.search(lt, pointers, p_ws, stream)? };
+        state.synchronize()?;
+        state.remember(&shape, id);
+        Ok(())
+    }
+}
+
+impl LayerGemm for SparseGemm {
+    const LAYER: &'static str = "SlideSparseLinear";
+
+    fn accumulator(precision: Precision, out: DType) -> Accumulator {
+        Accumulator::sparse(precision, out)
+    }
+
+    fn run(
+        &self,
+        client: &Client,
+        state: &mut DeviceState,
+        m_pad: usize,
+        accumulator: Accumulator,
+        buffers: GemmBuffers<'_>,
+    ) -> Result<()> {
+        let shape = GemmShape {
+            m_pad,
+            n_pad: self.n_pad,
+            k_prime: self.k_prime,
+            precision: self.precision,
+            accumulator,
+        };
+        if state.plan(shape)?.needs_search {
+            if state.needs_search(&shape) {
+                let pointers = self.pointers(client, buffers)?;
+                self.search_once(client, state, shape, pointers)?;
+            }
+            state.plan(shape)?.needs_search = false;
+        }
+        let settings = state.settings();
+        let (lt, plans, lanes, _) = state.parts();
+        let plan = &plans[&shape];
+        let lane = lanes.current()?;
+        let p_ws = lane.workspace(client, plan.workspace)?;
+        let (weight, alpha) = (self.compressed.ptr, self.alpha.ptr);
+        let replay = Replay::new(settings.graphs, || {
+            let kept = (buffers.codes, buffers.acc);
+            GraphKey::if_kept(GemmCall::Sparse(shape), weight, kept, alpha, p_ws)
+        });
+        let poison = (buffers.token_scales, m_pad);
+        run_ordered(client, lane, settings.sync, poison, replay, |stream| {
+            // Pointers of buffers that are not kept are resolved here: on cubecl's device
+            // thread in `Stream` mode, where `get_resource` is a direct call.
+            let p = self.pointers(client, buffers)?;
+            // SAFETY: live cubecl allocations of this plan's shapes; `run_ordered` keeps
+            // burn's stream (which owns their reuse) behind the GEMM.
+            unsafe { plan.run(lt, p, p_ws, stream as Stream) }
+        })
+    }
+}
+
+/// The dense weight `W [n_pad, k_pad]` for cuBLASLt.
+#[derive(Clone)]
+pub struct DenseGemm {
+    pub(crate) weight: HeldBuffer,
+    /// `n` rounded up to 16: cuBLASLt's 8-bit kernels need 16-element leading dimensions
+    /// (the extra weight rows are zero; the epilogue reads the `n` real columns).
+    pub n_pad: usize,
+    /// `K` rounded up to 16 (cuBLASLt's 8-bit alignment); the quant kernel zero-pads.
+    pub k_pad: usize,
+    /// The GEMM's input precision.
+    pub precision: Precision,
+}
+
+impl LayerGemm for DenseGemm {
+    const LAYER: &'static str = "QuantizedLinear";
+
+    fn accumulator(precision: Precision, out: DType) -> Accumulator {
+        Accumulator::dense(precision, out)
+    }
+
+    fn run(
+        &self,
+        client: &Client,
+        state: &mut DeviceState,
+        m_pad: usize,
+        accumulator: Accumulator,
+        buffers: GemmBuffers<'_>,
+    ) -> Result<()> {
+        let shape = DenseShape {
+            m_pad,
+            n: self.n_pad,
+            k: self.k_pad,
+            precision: self.precision,
+            accumulator,
+        };
+        state.dense_gemm()?;
+        let settings = state.settings();
+        let (_, _, lanes, dense) = state.parts();
+        let gemm = dense.expect("created above");
+        let lane = lanes.current()?;
+        let p_ws = lane.workspace(client, WORKSPACE)?;
+        let weight = self.weight.ptr;
+        let replay = Replay::new(settings.graphs, || {
+            let kept = (buffers.codes, buffers.acc);
+            GraphKey::if_kept(GemmCall::Dense(shape), weight, kept, 0, p_ws)
+        });
+        let poison = (buffers.token_scales, m_pad);
+        run_ordered(client, lane, settings.sync, poison, replay, |stream| {
+            // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
+            let (p_x, p_acc) = (
+                buffers.codes.pointer(client)?,
+                buffers.acc.pointer(client)?,
+            );
+            // SAFETY: live allocations of the shape's sizes; burn's stream stays behind the
+            // GEMM.
+            unsafe { gemm.run(shape, weight, p_x, p_acc, p_ws, stream as *mut std::ffi::c_void) }
+        })
+    }
+}
