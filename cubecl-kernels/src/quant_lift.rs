@@ -11,7 +11,7 @@
 //!   output code gathered through the lift map's index arithmetic.
 //!
 //! Rows `M..M_pad` are written as zeros with scale 1 so that the GEMM can run on the padded
-//! shape. The kernel was instruction-bound (Nsight Compute, `docs/benchmarks.md` section 2),
+//! shape. The kernel was instruction-bound (Nsight Compute, `docs/decisions/quant-lift-kernel-layout.md`),
 //! so the per-element arithmetic is lean and branch-free: the spec's quotient `x / s` from
 //! the row's reciprocal by a multiplication and two FMAs (exact, `crate::rounding`), INT8
 //! codes rounded by a magic-number addition, FP8 codes by an integer E4M3 encoder, and the

@@ -125,7 +125,7 @@ fn grouped_choice(
                 prefetch: false,
                 // Direct stores: since the 8-bit codes travel as packed words, staging the
                 // stores in shared memory measured 5% slower on the long rows and no faster
-                // on the short ones (H200, docs/benchmarks.md section 2).
+                // on the short ones (H200, docs/decisions/quant-lift-kernel-layout.md).
                 staged_stores: false,
             };
             (layout, ROWS_PER_CUBE)
