@@ -225,9 +225,9 @@ fn trainable_ids<B: Backend>(model: &mut Llama<B>) -> Vec<ParamId> {
     let mut ids = Vec::new();
     model
         .visit_linears(&mut |name, layer| {
-            let linear = match (layer.masked(), layer.dense()) {
-                (Some(m), _) => &m.linear,
-                (None, Some(d)) if name != "lm_head" => d,
+            let linear = match layer {
+                MaybeSparseLinear::Masked(m) => &m.linear,
+                MaybeSparseLinear::Dense(d) if name != "lm_head" => d,
                 _ => return Ok(()),
             };
             ids.push(linear.weight.id);

@@ -29,8 +29,8 @@ pub mod swap;
 pub use masked::MaskedLinear;
 pub use quantized::QuantizedLinear;
 pub use swap::{
-    MaybeSparseLinear, VisitLinears, mask_with, prepare_all, quantize_dense, sparsify,
-    sparsify_with,
+    MaybeSparseLinear, VisitLinears, load_file, load_record, mask_with, prepare_all,
+    quantize_dense, sparsify, sparsify_with,
 };
 #[cfg(feature = "cuda")]
 pub mod cuda;

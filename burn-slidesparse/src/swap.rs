@@ -5,9 +5,12 @@
 //! [`MaybeSparseLinear`] fields and lists them through [`VisitLinears`]; [`sparsify`] then
 //! packs every listed layer that the filter accepts (e.g. everything but the LM head).
 
+use std::{any::Any, panic::AssertUnwindSafe, path::PathBuf};
+
 use burn::{
-    module::Module,
+    module::{Module, ModuleVisitor},
     nn::Linear,
+    record::FileRecorder,
     tensor::{Tensor, backend::Backend},
 };
 
@@ -25,92 +28,98 @@ use crate::{
 
 /// A linear layer that is dense (`burn::nn::Linear`), dense under a training mask
 /// ([`MaskedLinear`]), SlideSparse, or the dense quantized baseline ([`QuantizedLinear`]).
-/// Exactly one field is set.
+///
+/// Its record is an enum too: a record saved from a sparsified model only loads into a model
+/// sparsified the same way. burn's derived `load_record` panics on a variant mismatch, so
+/// load through [`load_record`] or [`load_file`], which turn that into an error.
 #[derive(Module, Debug)]
-pub struct MaybeSparseLinear<B: Backend> {
-    dense: Option<Linear<B>>,
-    sparse: Option<SlideSparseLinear<B>>,
-    masked: Option<MaskedLinear<B>>,
-    quantized: Option<QuantizedLinear<B>>,
-}
-
-impl<B: Backend> MaybeSparseLinear<B> {
-    fn empty() -> Self {
-        Self {
-            dense: None,
-            sparse: None,
-            masked: None,
-            quantized: None,
-        }
-    }
+pub enum MaybeSparseLinear<B: Backend> {
+    /// A dense `burn::nn::Linear`, as the model was built.
+    Dense(Linear<B>),
+    /// Dense, trainable under a (2N-2):2N mask.
+    Masked(MaskedLinear<B>),
+    /// Packed SlideSparse.
+    Sparse(SlideSparseLinear<B>),
+    /// Quantized without pruning (the baseline SlideSparse is measured against).
+    Quantized(QuantizedLinear<B>),
 }
 
 impl<B: Backend> From<Linear<B>> for MaybeSparseLinear<B> {
     fn from(linear: Linear<B>) -> Self {
-        Self {
-            dense: Some(linear),
-            ..Self::empty()
-        }
+        Self::Dense(linear)
     }
 }
 
 impl<B: Backend> From<SlideSparseLinear<B>> for MaybeSparseLinear<B> {
     fn from(layer: SlideSparseLinear<B>) -> Self {
-        Self {
-            sparse: Some(layer),
-            ..Self::empty()
-        }
+        Self::Sparse(layer)
     }
 }
 
 impl<B: Backend> From<MaskedLinear<B>> for MaybeSparseLinear<B> {
     fn from(layer: MaskedLinear<B>) -> Self {
-        Self {
-            masked: Some(layer),
-            ..Self::empty()
-        }
+        Self::Masked(layer)
     }
 }
 
 impl<B: Backend> From<QuantizedLinear<B>> for MaybeSparseLinear<B> {
     fn from(layer: QuantizedLinear<B>) -> Self {
-        Self {
-            quantized: Some(layer),
-            ..Self::empty()
-        }
+        Self::Quantized(layer)
     }
 }
 
 impl<B: Backend> MaybeSparseLinear<B> {
     /// Whether the layer is SlideSparse.
     pub fn is_sparse(&self) -> bool {
-        self.sparse.is_some()
+        matches!(self, Self::Sparse(_))
     }
 
     /// The dense layer, if it is dense.
     pub fn dense(&self) -> Option<&Linear<B>> {
-        self.dense.as_ref()
+        match self {
+            Self::Dense(layer) => Some(layer),
+            _ => None,
+        }
     }
 
     /// The sparse layer, if it is sparse.
     pub fn sparse(&self) -> Option<&SlideSparseLinear<B>> {
-        self.sparse.as_ref()
+        match self {
+            Self::Sparse(layer) => Some(layer),
+            _ => None,
+        }
     }
 
     /// The masked (trainable sparse) layer, if it is one.
     pub fn masked(&self) -> Option<&MaskedLinear<B>> {
-        self.masked.as_ref()
+        match self {
+            Self::Masked(layer) => Some(layer),
+            _ => None,
+        }
     }
 
     /// The dense quantized baseline layer, if it is one.
     pub fn quantized(&self) -> Option<&QuantizedLinear<B>> {
-        self.quantized.as_ref()
+        match self {
+            Self::Quantized(layer) => Some(layer),
+            _ => None,
+        }
+    }
+
+    /// The variant's name, as burn's module tree and records spell it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Dense(_) => "Dense",
+            Self::Masked(_) => "Masked",
+            Self::Sparse(_) => "Sparse",
+            Self::Quantized(_) => "Quantized",
+        }
     }
 
     /// Quantizes a dense layer in place without pruning (the like-for-like baseline of
     /// SlideSparse); other kinds are left as they are.
     pub fn quantize(&mut self, precision: Precision) -> Result<()> {
-        if let Some(dense) = &self.dense {
+        if let Self::Dense(dense) = self {
             *self = QuantizedLinear::from_linear(dense, precision)?.into();
         }
         Ok(())
@@ -119,25 +128,21 @@ impl<B: Backend> MaybeSparseLinear<B> {
     /// Packs a dense layer (pruning it with `options`) or a masked layer (checking its
     /// pattern instead of pruning) in place; a sparse layer is left as it is.
     pub fn sparsify(&mut self, options: &PackOptions) -> Result<()> {
-        if let Some(dense) = &self.dense {
-            *self = SlideSparseLinear::from_linear(dense, options)?.into();
-        } else if let Some(masked) = &self.masked {
-            *self = masked.to_sparse(options)?.into();
+        match self {
+            Self::Dense(dense) => *self = SlideSparseLinear::from_linear(dense, options)?.into(),
+            Self::Masked(masked) => *self = masked.to_sparse(options)?.into(),
+            Self::Sparse(_) | Self::Quantized(_) => {}
         }
         Ok(())
     }
 
     /// Prunes a dense layer to `pattern` with `method` and keeps it trainable under the mask
-    /// (masked and sparse layers are left as they are).
+    /// (other kinds are left as they are). On error the layer stays dense.
     pub fn mask(&mut self, pattern: SparsityPattern, method: &PruneMethod) -> Result<()> {
-        if let Some(dense) = self.dense.take() {
-            match MaskedLinear::from_linear(dense.clone(), pattern, method) {
-                Ok(masked) => *self = masked.into(),
-                Err(e) => {
-                    self.dense = Some(dense);
-                    return Err(e);
-                }
-            }
+        if let Self::Dense(dense) = self {
+            // `from_linear` consumes its layer; the clone shares the tensors, and keeping the
+            // original in place means an error leaves the model as it was.
+            *self = MaskedLinear::from_linear(dense.clone(), pattern, method)?.into();
         }
         Ok(())
     }
@@ -146,17 +151,88 @@ impl<B: Backend> MaybeSparseLinear<B> {
 impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
     /// `[..., in] -> [..., out]` through whichever layer this is.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        if let Some(dense) = &self.dense {
-            dense.forward(input)
-        } else if let Some(sparse) = &self.sparse {
-            sparse.forward(input)
-        } else if let Some(masked) = &self.masked {
-            masked.forward(input)
-        } else if let Some(quantized) = &self.quantized {
-            quantized.forward(input)
-        } else {
-            unreachable!("MaybeSparseLinear holds one layer")
+        match self {
+            Self::Dense(layer) => layer.forward(input),
+            Self::Masked(layer) => layer.forward(input),
+            Self::Sparse(layer) => layer.forward(input),
+            Self::Quantized(layer) => layer.forward(input),
         }
+    }
+}
+
+/// Loads `record` into `model`, like burn's `Module::load_record`, but returns an error where
+/// burn would panic: when a [`MaybeSparseLinear`] of the record is another kind than the
+/// model's (e.g. a sparsified model's record loaded into a dense-built model). Build the model
+/// and swap its layers the same way as the saved one (`sparsify`, `quantize_dense`,
+/// `mask_with`) before loading.
+///
+/// burn's derived enum records offer no check before loading, so the mismatch is caught as the
+/// unwinding panic of burn's `load_record` (its message still reaches the panic hook, i.e.
+/// stderr); under `panic = "abort"` it aborts as burn's own call would.
+pub fn load_record<B: Backend, M: Module<B>>(model: M, record: M::Record) -> Result<M> {
+    let kinds = layer_kinds(&model);
+    std::panic::catch_unwind(AssertUnwindSafe(|| model.load_record(record))).map_err(|panic| {
+        SlideSparseError::Backend(format!(
+            "loading a record: {} (the model's layer kinds: {}); build and swap the model's \
+             layers the same way as the saved model's before loading",
+            panic_message(panic.as_ref()),
+            if kinds.is_empty() {
+                "none".to_string()
+            } else {
+                kinds.join(", ")
+            },
+        ))
+    })
+}
+
+/// Loads `path` with `recorder` into `model`, like burn's `Module::load_file`, with the
+/// record checked as in [`load_record`].
+pub fn load_file<B: Backend, M: Module<B>, R: FileRecorder<B>>(
+    model: M,
+    path: impl Into<PathBuf>,
+    recorder: &R,
+    device: &B::Device,
+) -> Result<M> {
+    let path = path.into();
+    let record = recorder
+        .load(path.clone(), device)
+        .map_err(|e| SlideSparseError::Backend(format!("loading {}: {e}", path.display())))?;
+    load_record(model, record)
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("the record does not fit the model")
+}
+
+/// `path=Kind` for every [`MaybeSparseLinear`] in `model`, for error messages.
+fn layer_kinds<B: Backend, M: Module<B>>(model: &M) -> Vec<String> {
+    let mut visitor = KindVisitor::default();
+    model.visit(&mut visitor);
+    visitor.kinds
+}
+
+/// Follows burn's module tree: an enum module is entered by its variant's name with the
+/// container type `Enum:<name>` (burn-derive's convention).
+#[derive(Default)]
+struct KindVisitor {
+    path: Vec<String>,
+    kinds: Vec<String>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for KindVisitor {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        if container_type == "Enum:MaybeSparseLinear" {
+            self.kinds.push(format!("{}={name}", self.path.join(".")));
+        }
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
     }
 }
 
@@ -205,12 +281,16 @@ pub fn prepare_all<B: SlideSparseBackend, M: VisitLinears<B>>(model: &mut M) -> 
     let mut prepared = 0;
     model.visit_linears(&mut |name, layer| {
         let context = |e: SlideSparseError| SlideSparseError::Backend(format!("{name}: {e}"));
-        if let Some(sparse) = layer.sparse() {
-            sparse.prepared().map_err(context)?;
-            prepared += 1;
-        } else if let Some(quantized) = layer.quantized() {
-            quantized.prepared().map_err(context)?;
-            prepared += 1;
+        match layer {
+            MaybeSparseLinear::Sparse(sparse) => {
+                sparse.prepared().map_err(context)?;
+                prepared += 1;
+            }
+            MaybeSparseLinear::Quantized(quantized) => {
+                quantized.prepared().map_err(context)?;
+                prepared += 1;
+            }
+            MaybeSparseLinear::Dense(_) | MaybeSparseLinear::Masked(_) => {}
         }
         Ok(())
     })?;
