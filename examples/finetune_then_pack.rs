@@ -27,12 +27,14 @@ use burn::{
     },
 };
 use burn_slidesparse::{
-    MaybeSparseLinear, PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern,
-    VisitLinears,
-    checkpoint::{LayerSelection, pack_checkpoint},
-    format::{OwnedTensor, PackedFile, f32_bytes, serialize, write_atomically},
+    LayerSelection, MaybeSparseLinear, PackOptions, PackedFile, Precision, PruneMethod,
+    SlideSparseBackend, SparsityPattern, VisitLinears,
     gguf::GgufFile,
-    mask_with,
+    internals::{
+        format::{OwnedTensor, f32_bytes, serialize},
+        write_atomically,
+    },
+    mask_with, pack_checkpoint,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -365,13 +367,7 @@ fn save_and_pack<B: Backend>(args: &Args, model: &Llama<B>) -> Result<(PathBuf, 
         prune: PruneMethod::None,
         ..PackOptions::new(args.pattern, args.precision)
     };
-    pack_checkpoint(
-        &checkpoint,
-        &packed,
-        &LayerSelection::new(None)?,
-        &options,
-        true,
-    )?;
+    pack_checkpoint(&checkpoint, &packed, &LayerSelection::new(None)?, &options)?;
     Ok((checkpoint, packed))
 }
 

@@ -5,9 +5,9 @@
 use std::time::Instant;
 
 use burn_slidesparse::{
-    PackOptions, Precision, SparsityPattern, format, pack_linear,
-    prune::{PruneMethod, prune},
-    quant::quantize_weight,
+    PackOptions, Precision, PruneMethod, SparsityPattern,
+    internals::{format, quant::quantize_weight},
+    pack_linear, prune,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 

@@ -123,35 +123,35 @@ impl PreparedSlot {
 #[macro_export]
 macro_rules! impl_reference_backend {
     (for [$($generics:tt)*] $backend:ty) => {
-        impl<$($generics)*> $crate::backend::SlideSparseBackend for $backend {
-            type Prepared = $crate::reference::ReferencePrepared<Self>;
+        impl<$($generics)*> $crate::SlideSparseBackend for $backend {
+            type Prepared = $crate::ReferencePrepared<Self>;
 
             fn slidesparse_prepare(
-                weights: $crate::backend::PackedTensors<Self>,
+                weights: $crate::PackedTensors<Self>,
             ) -> $crate::Result<Self::Prepared> {
-                Ok($crate::reference::prepare(weights))
+                Ok($crate::__macro_support::prepare(weights))
             }
 
             fn slidesparse_forward(
                 x: burn::tensor::Tensor<Self, 2>,
                 prepared: &Self::Prepared,
             ) -> $crate::Result<burn::tensor::Tensor<Self, 2>> {
-                Ok($crate::reference::forward(x, prepared))
+                Ok($crate::__macro_support::forward(x, prepared))
             }
 
-            type DensePrepared = $crate::reference::ReferencePrepared<Self>;
+            type DensePrepared = $crate::ReferencePrepared<Self>;
 
             fn dense_prepare(
-                weights: $crate::backend::DenseTensors<Self>,
+                weights: $crate::DenseTensors<Self>,
             ) -> $crate::Result<Self::DensePrepared> {
-                Ok($crate::reference::prepare_dense(weights))
+                Ok($crate::__macro_support::prepare_dense(weights))
             }
 
             fn dense_forward(
                 x: burn::tensor::Tensor<Self, 2>,
                 prepared: &Self::DensePrepared,
             ) -> $crate::Result<burn::tensor::Tensor<Self, 2>> {
-                Ok($crate::reference::forward(x, prepared))
+                Ok($crate::__macro_support::forward(x, prepared))
             }
         }
     };

@@ -3,10 +3,8 @@
 
 use std::{path::Path, time::Instant};
 
-use indicatif::{ProgressBar, ProgressStyle};
-use rand::{Rng, SeedableRng, rngs::StdRng};
 use regex::Regex;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use serde::Serialize;
 
 use crate::{
@@ -87,13 +85,36 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
     })
 }
 
+/// Where a [`pack_checkpoint_with_progress`] run stands: about to pack `layer`, with
+/// `done_bytes` of the selected weights' `total_bytes` packed so far.
+#[derive(Clone, Copy, Debug)]
+pub struct PackProgress<'a> {
+    /// The tensor about to be packed.
+    pub layer: &'a str,
+    /// Bytes of the selected weights packed so far.
+    pub done_bytes: u64,
+    /// Bytes of all selected weights.
+    pub total_bytes: u64,
+}
+
 /// Packs a checkpoint `input` into `output` (written atomically; never over the input).
 pub fn pack_checkpoint(
     input: &Path,
     output: &Path,
     selection: &LayerSelection,
     options: &PackOptions,
-    show_progress: bool,
+) -> Result<PackReport> {
+    pack_checkpoint_with_progress(input, output, selection, options, |_| {})
+}
+
+/// [`pack_checkpoint`], calling `progress` before each selected layer (e.g. to drive a
+/// progress bar, as the `slidesparse` CLI does).
+pub fn pack_checkpoint_with_progress(
+    input: &Path,
+    output: &Path,
+    selection: &LayerSelection,
+    options: &PackOptions,
+    mut progress: impl FnMut(PackProgress<'_>),
 ) -> Result<PackReport> {
     options.validate()?;
     refuse_overwriting_input(input, output)?;
@@ -110,7 +131,7 @@ pub fn pack_checkpoint(
         .iter()
         .map(|n| st.tensor(n).map_or(0, |t| t.data().len() as u64))
         .sum();
-    let bar = progress_bar(total_bytes, show_progress);
+    let mut done_bytes = 0;
 
     let mut layer_metas = Vec::new();
     let mut stats = Vec::new();
@@ -118,7 +139,11 @@ pub fn pack_checkpoint(
     let mut packed_prefixes = std::collections::HashSet::new();
     for name in &selected {
         let view = st.tensor(name).expect("listed above");
-        bar.set_message(name.to_string());
+        progress(PackProgress {
+            layer: name,
+            done_bytes,
+            total_bytes,
+        });
         let [rows, cols] = [view.shape()[0], view.shape()[1]];
         let weight = format::read_f32(name, &view)?;
         let bias_name = format!("{}.bias", format::prefix_of(name));
@@ -134,9 +159,8 @@ pub fn pack_checkpoint(
         layer_metas.push(meta);
         tensors.extend(layer_tensors);
         stats.push(layer_stats);
-        bar.inc(view.data().len() as u64);
+        done_bytes += view.data().len() as u64;
     }
-    bar.finish_and_clear();
 
     let mut copied = 0;
     for name in &names {
@@ -183,18 +207,6 @@ fn refuse_overwriting_input(input: &Path, output: &Path) -> Result<()> {
         return Err(SlideSparseError::OutputIsInput(output.to_path_buf()));
     }
     Ok(())
-}
-
-fn progress_bar(total: u64, visible: bool) -> ProgressBar {
-    if !visible {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}")
-            .expect("valid template"),
-    );
-    bar
 }
 
 /// Outcome of verifying one packed file.
@@ -285,85 +297,4 @@ fn verify_layer_against(
         }
     };
     layer.verify_against(&expected)
-}
-
-/// Writes a random HF-style Llama checkpoint (f32 or bf16), for demos, tests and packing
-/// speed measurements. Returns its size in bytes.
-pub fn write_random_checkpoint(
-    path: &Path,
-    hidden: usize,
-    intermediate: usize,
-    layers: usize,
-    dtype: Dtype,
-    seed: u64,
-) -> Result<u64> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut tensors = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, rng: &mut StdRng| {
-        let n: usize = shape.iter().product();
-        let scale = 1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt();
-        let values = (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale);
-        let data: Vec<u8> = match dtype {
-            Dtype::BF16 => values
-                .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            _ => values.flat_map(|v| v.to_le_bytes()).collect(),
-        };
-        tensors.push((
-            name,
-            OwnedTensor {
-                dtype: if dtype == Dtype::BF16 {
-                    Dtype::BF16
-                } else {
-                    Dtype::F32
-                },
-                shape,
-                data,
-            },
-        ));
-    };
-    add(
-        "model.embed_tokens.weight".into(),
-        vec![1024, hidden],
-        &mut rng,
-    );
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-            add(
-                format!("{p}.self_attn.{proj}.weight"),
-                vec![hidden, hidden],
-                &mut rng,
-            );
-        }
-        add(format!("{p}.self_attn.q_proj.bias"), vec![hidden], &mut rng);
-        add(
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![intermediate, hidden],
-            &mut rng,
-        );
-        add(
-            format!("{p}.mlp.up_proj.weight"),
-            vec![intermediate, hidden],
-            &mut rng,
-        );
-        add(
-            format!("{p}.mlp.down_proj.weight"),
-            vec![hidden, intermediate],
-            &mut rng,
-        );
-        add(
-            format!("{p}.input_layernorm.weight"),
-            vec![hidden],
-            &mut rng,
-        );
-    }
-    add("model.norm.weight".into(), vec![hidden], &mut rng);
-    let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
-        .map_err(|source| SlideSparseError::SafeTensors {
-            path: path.display().to_string(),
-            source,
-        })?;
-    format::write_atomically(path, &bytes)?;
-    Ok(bytes.len() as u64)
 }

@@ -16,6 +16,8 @@ use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
+// The GPU algorithm cache (`cuda/algo_cache.rs`) imports it from here.
+pub(crate) use crate::files::write_atomically;
 use crate::{
     error::{Result, SlideSparseError},
     pack::{PackedLinear, check_alignment},
@@ -192,23 +194,6 @@ pub fn save_layers(path: &Path, layers: &[PackedLinear]) -> Result<()> {
     }
     let bytes = serialize(&tensors, file_metadata(&metas))?;
     write_atomically(path, &bytes)
-}
-
-/// Writes `bytes` to a temporary file next to `path`, syncs it and renames it over `path`, so
-/// that an interrupted write never leaves a half-written file under the final name.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| SlideSparseError::io(dir, e))?;
-    tmp.write_all(bytes)
-        .and_then(|_| tmp.as_file().sync_all())
-        .map_err(|e| SlideSparseError::io(tmp.path(), e))?;
-    tmp.persist(path)
-        .map_err(|e| SlideSparseError::io(path, e.error))?;
-    Ok(())
 }
 
 /// A packed file read into memory and checked.

@@ -1,37 +1,108 @@
 #![doc = include_str!("../README.md")]
 
-pub mod error;
-pub mod format;
-pub mod fp8;
-pub mod pack;
-pub mod pattern;
-pub mod prune;
-pub mod quant;
-pub mod slide;
+// The public API is the re-exports below (plus `cuda` and `gguf` behind their features); the
+// modules themselves are crate-private so that what a user sees is what we mean to keep
+// stable. The project's own tests, CLI and benchmarks reach further in through `internals`.
 
+mod backend;
+mod checkpoint;
+mod error;
+mod files;
+mod format;
+mod fp8;
+mod masked;
+mod module;
+mod pack;
+mod pattern;
+mod prune;
+mod quant;
+mod quantized;
+mod reference;
+mod slide;
+mod swap;
+#[cfg(feature = "internals")]
+mod synthetic;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "gguf")]
+pub mod gguf;
+
+pub use backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend};
+pub use checkpoint::{
+    DEFAULT_EXCLUDE, DEFAULT_LAYER_FILTER, LayerSelection, PackProgress, PackReport, VerifyReport,
+    pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
+};
 pub use error::{Result, SlideSparseError};
-pub use pack::{PackOptions, PackedLinear, pack_linear};
-pub use pattern::SparsityPattern;
-pub use prune::PruneMethod;
-pub use quant::Precision;
-pub mod backend;
-pub mod module;
-pub mod reference;
-
-pub use backend::{LayerSpec, SlideSparseBackend};
-pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
-pub mod checkpoint;
-pub mod demo;
-pub mod masked;
-pub mod quantized;
-pub mod swap;
-
+pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
 pub use masked::MaskedLinear;
+pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
+pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
+pub use pattern::SparsityPattern;
+pub use prune::{PruneMethod, check_pattern, prune};
+pub use quant::{Precision, QuantizedWeight, WeightCodes};
 pub use quantized::QuantizedLinear;
+pub use reference::ReferencePrepared;
 pub use swap::{
     MaybeSparseLinear, VisitLinears, load_file, load_record, mask_with, prepare_all,
     quantize_dense, sparsify, sparsify_with,
 };
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod gguf;
+
+/// What `impl_reference_backend!` expands to; not an API.
+#[doc(hidden)]
+pub mod __macro_support {
+    pub use crate::reference::{forward, prepare, prepare_dense};
+}
+
+/// The crate's internals for the project's own tests, CLI and benchmarks (feature
+/// `internals`). Not a stable API: anything here may change in any release.
+#[doc(hidden)]
+#[cfg(feature = "internals")]
+pub mod internals {
+    pub use crate::{files::write_atomically, synthetic::write_random_checkpoint};
+
+    /// Packed file layout: tensor names, metadata keys, byte helpers.
+    pub mod format {
+        pub use crate::format::*;
+    }
+    /// FP8 E4M3 encoding and decoding on the host.
+    pub mod fp8 {
+        pub use crate::fp8::*;
+    }
+    /// Packing: pruning, quantization and sliding of one layer.
+    pub mod pack {
+        pub use crate::pack::*;
+    }
+    /// Sparsity patterns.
+    pub mod pattern {
+        pub use crate::pattern::*;
+    }
+    /// Pruning to a pattern.
+    pub mod prune {
+        pub use crate::prune::*;
+    }
+    /// Precisions, weight codes and weight quantization.
+    pub mod quant {
+        pub use crate::quant::*;
+    }
+    /// The CPU reference forward (any burn backend).
+    pub mod reference {
+        pub use crate::reference::*;
+    }
+    /// The slide transformation of one row or matrix.
+    pub mod slide {
+        pub use crate::slide::*;
+    }
+    /// Checkpoint packing and verification.
+    pub mod checkpoint {
+        pub use crate::checkpoint::*;
+    }
+    /// The `SlideSparseLinear` module and its helpers.
+    pub mod module {
+        pub use crate::module::*;
+    }
+    /// The backend trait and the prepared-weight tensors.
+    pub mod backend {
+        pub use crate::backend::*;
+    }
+}

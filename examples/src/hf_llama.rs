@@ -17,7 +17,7 @@ use burn::{
     nn::{Embedding, RmsNorm},
     tensor::{Tensor, TensorData, backend::Backend},
 };
-use burn_slidesparse::{SlideSparseError, format::read_f32};
+use burn_slidesparse::{SlideSparseError, internals::format::read_f32};
 
 use crate::{
     gguf_llama::linear_from_rows,

@@ -47,8 +47,7 @@ fn prune_dense_in_place(model: &mut Llama<B>, pattern: SparsityPattern) {
             let w = dense.weight.val();
             let [i, o] = w.dims();
             let wt: Vec<f32> = w.clone().transpose().into_data().into_vec().unwrap();
-            let pruned =
-                burn_slidesparse::prune::prune(name, &wt, o, i, pattern, &Default::default())?;
+            let pruned = burn_slidesparse::prune(name, &wt, o, i, pattern, &Default::default())?;
             let t = Tensor::<B, 2>::from_data(TensorData::new(pruned, [o, i]), &Default::default())
                 .transpose();
             *layer = burn::nn::Linear {
@@ -324,7 +323,7 @@ fn rows_of(layer: &burn_slidesparse::MaybeSparseLinear<B>) -> (Vec<f32>, Vec<usi
 /// Writes `model` as a Hugging Face checkpoint folder (config.json + bf16-free f32
 /// model.safetensors, Q/K rows and biases in the rotate-half layout).
 fn write_hf_checkpoint(model: &Llama<B>, config: &LlamaConfig, dir: &std::path::Path) {
-    use burn_slidesparse::format::{OwnedTensor, f32_bytes, serialize};
+    use burn_slidesparse::internals::format::{OwnedTensor, f32_bytes, serialize};
     use slidesparse_examples::hf_llama::adjacent_to_rotate_half;
     let hd = config.head_dim();
     let mut tensors = Vec::new();
@@ -439,14 +438,14 @@ fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
     let st = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&st).unwrap();
     let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut kept: Vec<(String, burn_slidesparse::format::OwnedTensor)> = Vec::new();
+    let mut kept: Vec<(String, burn_slidesparse::internals::format::OwnedTensor)> = Vec::new();
     for (name, view) in parsed.tensors() {
         if name == "model.layers.1.mlp.up_proj.weight" {
             continue;
         }
         kept.push((
             name.clone(),
-            burn_slidesparse::format::OwnedTensor {
+            burn_slidesparse::internals::format::OwnedTensor {
                 dtype: view.dtype(),
                 shape: view.shape().to_vec(),
                 data: view.data().to_vec(),
@@ -455,7 +454,7 @@ fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
     }
     std::fs::write(
         &st,
-        burn_slidesparse::format::serialize(&kept, Default::default()).unwrap(),
+        burn_slidesparse::internals::format::serialize(&kept, Default::default()).unwrap(),
     )
     .unwrap();
     let err = load_hf_llama::<B>(dir.path(), 64, &device)

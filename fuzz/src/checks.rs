@@ -3,10 +3,8 @@
 //! panic on any input; it panics only when a reader accepts something it must not.
 
 use burn_slidesparse::{
-    PackOptions, Precision, SparsityPattern,
-    checkpoint::{LayerSelection, pack_checkpoint},
-    format::PackedFile,
-    gguf::GgufFile,
+    LayerSelection, PackOptions, PackedFile, Precision, SparsityPattern, gguf::GgufFile,
+    pack_checkpoint,
 };
 
 /// The pattern parser accepts exactly `(2N-2):2N` for N in 2..=16.
@@ -44,7 +42,7 @@ pub fn checkpoint(data: &[u8]) {
     std::fs::write(&input, data).expect("write input");
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
     let selection = LayerSelection::new(None).expect("no filter");
-    if pack_checkpoint(&input, &output, &selection, &options, false).is_ok() {
+    if pack_checkpoint(&input, &output, &selection, &options).is_ok() {
         PackedFile::load(&output).expect("what the packer wrote loads");
     }
 }

@@ -89,12 +89,12 @@ pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
 /// dequantization and bias.
 pub fn host_w8a8(
     x: &[f32],
-    qw: &burn_slidesparse::quant::QuantizedWeight,
+    qw: &burn_slidesparse::QuantizedWeight,
     b: &[f32],
     (m, k, n): (usize, usize, usize),
     precision: Precision,
 ) -> Vec<f32> {
-    use burn_slidesparse::reference::ACTIVATION_EPS;
+    use burn_slidesparse::internals::reference::ACTIVATION_EPS;
     let wq = qw.codes.to_f32();
     let qmax = precision.qmax().unwrap();
     let mut expected = vec![0f32; m * n];

@@ -154,7 +154,7 @@ fn from_linear_uses_burns_in_out_layout() {
         .into_vec::<f32>()
         .unwrap();
     let pruned =
-        burn_slidesparse::prune::prune("w", &w, 12, 32, SparsityPattern::P6_8, &Default::default())
+        burn_slidesparse::prune("w", &w, 12, 32, SparsityPattern::P6_8, &Default::default())
             .unwrap();
     let mut rng = rng(13);
     let x = random_f32(&mut rng, 4 * 32);

@@ -4,10 +4,10 @@
 //! --test reliability`. Hand-made corruptions of every header field are checked one by one.
 
 use burn_slidesparse::{
-    PackOptions, Precision, SlideSparseError, SparsityPattern,
-    checkpoint::{LayerSelection, pack_checkpoint, write_random_checkpoint},
-    format::{self, PackedFile},
-    pack_linear,
+    LayerSelection, PackOptions, Precision, SlideSparseError, SparsityPattern,
+    internals::format::{self, PackedFile},
+    internals::write_random_checkpoint,
+    pack_checkpoint, pack_linear,
 };
 use proptest::prelude::*;
 use slidesparse_tests::{random_f32, rng};
@@ -169,13 +169,7 @@ fn corrupted_checkpoints_fail_packing_cleanly() {
         let path = dir.path().join(format!("cut{cut}.safetensors"));
         std::fs::write(&path, &bytes[..cut]).unwrap();
         let out = dir.path().join("out.safetensors");
-        let result = pack_checkpoint(
-            &path,
-            &out,
-            &LayerSelection::new(None).unwrap(),
-            &options,
-            false,
-        );
+        let result = pack_checkpoint(&path, &out, &LayerSelection::new(None).unwrap(), &options);
         assert!(result.is_err(), "cut at {cut}");
         assert!(!out.exists(), "no output may be left behind");
     }
@@ -192,7 +186,6 @@ fn corrupted_checkpoints_fail_packing_cleanly() {
         &dir.path().join("o.safetensors"),
         &LayerSelection::new(None).unwrap(),
         &options,
-        false,
     )
     .unwrap_err();
     assert!(
@@ -254,6 +247,6 @@ proptest! {
         let path = dir.path().join("in.safetensors");
         std::fs::write(&path, &bytes).unwrap();
         let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
-        let _ = pack_checkpoint(&path, &dir.path().join("out.safetensors"), &LayerSelection::new(None).unwrap(), &options, false);
+        let _ = pack_checkpoint(&path, &dir.path().join("out.safetensors"), &LayerSelection::new(None).unwrap(), &options);
     }
 }

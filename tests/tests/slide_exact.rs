@@ -2,9 +2,9 @@
 
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SparsityPattern,
-    pack::prune_and_quantize,
+    internals::pack::prune_and_quantize,
+    internals::slide::{first_2_4_violation, slide_matrix},
     pack_linear,
-    slide::{first_2_4_violation, slide_matrix},
 };
 use cubecl_kernels::SlideGeometry;
 use rand::Rng;

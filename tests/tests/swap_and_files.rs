@@ -5,10 +5,9 @@ use burn::{
     tensor::{Tensor, TensorData},
 };
 use burn_slidesparse::{
-    PackOptions, Precision, SlideSparseError, SparsityPattern,
-    checkpoint::{LayerSelection, pack_checkpoint, verify_checkpoint, write_random_checkpoint},
-    format::{self, PackedFile},
-    pack_linear, sparsify,
+    LayerSelection, PackOptions, PackedFile, Precision, SlideSparseError, SparsityPattern,
+    internals::{format, write_random_checkpoint},
+    pack_checkpoint, pack_linear, sparsify, verify_checkpoint,
 };
 use slidesparse_tests::{TwoLayers, random_f32, rng};
 
@@ -182,7 +181,6 @@ fn checkpoint_pack_verify_and_refusals() {
         &packed,
         &LayerSelection::new(None).unwrap(),
         &options,
-        false,
     )
     .unwrap();
     // 7 linear layers per block, embeddings and norms untouched.
@@ -217,7 +215,6 @@ fn checkpoint_pack_verify_and_refusals() {
         &dense,
         &LayerSelection::new(None).unwrap(),
         &options,
-        false,
     );
     assert!(matches!(err, Err(SlideSparseError::OutputIsInput(_))));
     assert_eq!(std::fs::read(&dense).unwrap(), before);

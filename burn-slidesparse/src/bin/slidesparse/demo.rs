@@ -8,10 +8,8 @@ use burn::{
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-use crate::{
-    error::{Result, SlideSparseError},
-    format::{self, PackedFile},
-    module::SlideSparseLinear,
+use burn_slidesparse::{
+    PackedFile, Result, SlideSparseError, SlideSparseLinear, internals::format,
 };
 
 /// Loads layer `name` from a packed file, runs it on random tokens with the reference

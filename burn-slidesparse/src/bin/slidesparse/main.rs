@@ -1,14 +1,17 @@
-//! `slidesparse`: pack, verify and inspect SlideSparse checkpoints.
+//! `slidesparse`: pack, verify and inspect SlideSparse checkpoints (feature `cli`).
+
+mod demo;
 
 use std::{path::PathBuf, process::ExitCode};
 
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, Result, SparsityPattern,
-    checkpoint::{self, LayerSelection},
-    format::{self, PackedFile},
-    pack::DEFAULT_ALIGNMENT,
+    DEFAULT_ALIGNMENT, FORMAT_VERSION, LayerSelection, PackOptions, PackProgress, PackReport,
+    PackedFile, Precision, PruneMethod, Result, SlideSparseError, SparsityPattern,
+    internals::{format::VERSION_KEY, write_atomically, write_random_checkpoint},
+    pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
 };
 use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser)]
 #[command(
@@ -114,17 +117,16 @@ fn run(cli: Cli) -> Result<()> {
                 alignment,
             };
             let selection = LayerSelection::new(layers.as_deref())?;
-            let result =
-                checkpoint::pack_checkpoint(&input, &output, &selection, &options, !quiet)?;
+            let result = pack_with_bar(&input, &output, &selection, &options, !quiet)?;
             print_pack_summary(&result);
             if let Some(path) = report {
                 let json = serde_json::to_vec_pretty(&result).expect("report serializes");
-                format::write_atomically(&path, &json)?;
+                write_atomically(&path, &json)?;
             }
             Ok(())
         }
         Command::Verify { packed, against } => {
-            let report = checkpoint::verify_checkpoint(&packed, against.as_deref())?;
+            let report = verify_checkpoint(&packed, against.as_deref())?;
             println!(
                 "ok: {} packed layers valid 2:4, {} checked against the original",
                 report.layers, report.checked_against_original
@@ -139,7 +141,7 @@ fn run(cli: Cli) -> Result<()> {
             layers,
             seed,
         } => {
-            let bytes = checkpoint::write_random_checkpoint(
+            let bytes = write_random_checkpoint(
                 &output,
                 hidden,
                 intermediate,
@@ -158,7 +160,7 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn print_pack_summary(report: &checkpoint::PackReport) {
+fn print_pack_summary(report: &PackReport) {
     println!(
         "{:<48} {:>14} {:>7} {:>8} {:>9} {:>9}",
         "layer", "shape", "K'", "kept %", "prune err", "total err"
@@ -186,10 +188,10 @@ fn print_pack_summary(report: &checkpoint::PackReport) {
 }
 
 fn inspect(file: &std::path::Path) -> Result<()> {
-    let bytes = std::fs::read(file).map_err(|e| burn_slidesparse::SlideSparseError::io(file, e))?;
+    let bytes = std::fs::read(file).map_err(|e| SlideSparseError::io(file, e))?;
     let path = file.display().to_string();
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|source| {
-        burn_slidesparse::SlideSparseError::SafeTensors {
+        SlideSparseError::SafeTensors {
             path: path.clone(),
             source,
         }
@@ -197,13 +199,10 @@ fn inspect(file: &std::path::Path) -> Result<()> {
     if header
         .metadata()
         .as_ref()
-        .is_some_and(|m| m.contains_key(format::VERSION_KEY))
+        .is_some_and(|m| m.contains_key(VERSION_KEY))
     {
         let packed = PackedFile::from_bytes(&path, &bytes)?;
-        println!(
-            "SlideSparse packed file, format version {}",
-            format::FORMAT_VERSION
-        );
+        println!("SlideSparse packed file, format version {FORMAT_VERSION}");
         println!(
             "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5}",
             "layer", "pattern", "prec", "out x K", "K'", "bias"
@@ -223,7 +222,7 @@ fn inspect(file: &std::path::Path) -> Result<()> {
         println!("plain safetensors file (not packed)");
     }
     let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|source| burn_slidesparse::SlideSparseError::SafeTensors { path, source })?;
+        .map_err(|source| SlideSparseError::SafeTensors { path, source })?;
     let mut names = st.names();
     names.sort();
     println!("{} tensors:", names.len());
@@ -234,42 +233,69 @@ fn inspect(file: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// Packs with a progress bar on stderr (hidden with `visible == false`).
+fn pack_with_bar(
+    input: &std::path::Path,
+    output: &std::path::Path,
+    selection: &LayerSelection,
+    options: &PackOptions,
+    visible: bool,
+) -> Result<PackReport> {
+    if !visible {
+        return pack_checkpoint(input, output, selection, options);
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}")
+            .expect("valid template"),
+    );
+    let result =
+        pack_checkpoint_with_progress(input, output, selection, options, |p: PackProgress<'_>| {
+            bar.set_length(p.total_bytes);
+            bar.set_position(p.done_bytes);
+            bar.set_message(p.layer.to_string());
+        });
+    bar.finish_and_clear();
+    result
+}
+
 fn demo(dir: Option<PathBuf>, pattern: SparsityPattern, precision: Precision) -> Result<()> {
-    let temp;
-    let dir = match dir {
-        Some(d) => {
-            std::fs::create_dir_all(&d)
-                .map_err(|e| burn_slidesparse::SlideSparseError::io(&d, e))?;
-            d
+    match dir {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).map_err(|e| SlideSparseError::io(&dir, e))?;
+            demo_in(&dir, pattern, precision)
         }
         None => {
-            temp =
-                tempfile::tempdir().map_err(|e| burn_slidesparse::SlideSparseError::io(".", e))?;
-            temp.path().to_path_buf()
+            // A fresh directory under the system's temporary directory, removed afterwards
+            // (the process id keeps concurrent runs apart).
+            let dir = std::env::temp_dir().join(format!("slidesparse-demo-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).map_err(|e| SlideSparseError::io(&dir, e))?;
+            let result = demo_in(&dir, pattern, precision);
+            // Best effort: a leftover temporary directory is not worth failing the demo over.
+            let _ = std::fs::remove_dir_all(&dir);
+            result
         }
-    };
+    }
+}
+
+fn demo_in(dir: &std::path::Path, pattern: SparsityPattern, precision: Precision) -> Result<()> {
     let dense = dir.join("dense.safetensors");
     let packed = dir.join("packed.safetensors");
     println!(
         "1. generating a random 2-layer Llama-style checkpoint: {}",
         dense.display()
     );
-    checkpoint::write_random_checkpoint(&dense, 512, 1536, 2, safetensors::Dtype::F32, 7)?;
+    write_random_checkpoint(&dense, 512, 1536, 2, safetensors::Dtype::F32, 7)?;
     println!("2. packing it at {pattern} {precision}");
     let options = PackOptions::new(pattern, precision);
-    let report =
-        checkpoint::pack_checkpoint(&dense, &packed, &LayerSelection::new(None)?, &options, true)?;
+    let report = pack_with_bar(&dense, &packed, &LayerSelection::new(None)?, &options, true)?;
     print_pack_summary(&report);
     println!("3. verifying against the original");
-    let v = checkpoint::verify_checkpoint(&packed, Some(&dense))?;
+    let v = verify_checkpoint(&packed, Some(&dense))?;
     println!(
         "   ok: {} layers valid 2:4, un-slide exactly to the pruned quantized weights",
         v.layers
     );
     println!("4. running one layer as SlideSparseLinear (CPU reference backend) against dense");
-    burn_slidesparse::demo::compare_layer_with_dense(
-        &packed,
-        &dense,
-        "model.layers.0.mlp.down_proj.weight",
-    )
+    demo::compare_layer_with_dense(&packed, &dense, "model.layers.0.mlp.down_proj.weight")
 }
