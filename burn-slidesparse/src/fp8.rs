@@ -5,8 +5,8 @@
 //! like CUDA's `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`. NaN encodes to `0x7F`
 //! (with its sign bit).
 
-/// Largest finite E4M3 value.
-pub const E4M3_MAX: f32 = 448.0;
+/// Largest finite E4M3 value (defined once, next to the kernels' encoder).
+pub use cubecl_kernels::rounding::FP8_MAX as E4M3_MAX;
 /// Canonical positive NaN code.
 pub const E4M3_NAN: u8 = 0x7F;
 const MIN_NORMAL_EXP: i32 = -6;
@@ -30,33 +30,18 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
 }
 
 /// Encodes an f32 to E4M3: round to nearest even, saturating to ±448.
+///
+/// The encoding is the kernels' own ([`cubecl_kernels::rounding::e4m3_bits`], the host mirror
+/// of their integer encoder), so host-packed weights and GPU-quantized activations cannot
+/// drift apart; only NaN, which the kernels never see after their clamp, is handled here.
+/// The tests check it against the format's definition.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80 } else { 0x00 };
     if x.is_nan() {
+        let sign = if x.is_sign_negative() { 0x80 } else { 0x00 };
         return sign | E4M3_NAN;
     }
-    let a = x.abs();
-    if a >= E4M3_MAX {
-        return sign | 0x7E;
-    }
-    // Exponent of `a` (floor(log2 a)), read from the bits: exact, unlike log2().
-    let exp = if a == 0.0 {
-        MIN_NORMAL_EXP
-    } else {
-        ((a.to_bits() >> 23) as i32 - 127).max(MIN_NORMAL_EXP)
-    };
-    // Quantum of the E4M3 binade holding `a` (the subnormal quantum below 2^-6). Scaling by a
-    // power of two is exact, so one f32 rounding gives the correctly rounded significand.
-    let quantum = 2f32.powi(exp - MANTISSA_BITS);
-    let q = (a / quantum).round_ties_even() as u32; // 0..=16
-    let (exp, q) = if q == 16 { (exp + 1, 8) } else { (exp, q) };
-    let code = if q < 8 {
-        q // subnormal (exp == -6 and no hidden bit)
-    } else {
-        (((exp + EXP_BIAS) as u32) << 3) | (q - 8)
-    };
-    // Rounding up can only reach 448 here (a < 448), never the NaN code.
-    sign | code as u8
+    // The low byte is the code (`e4m3_bits` saturates ±Inf and overflow to ±448).
+    cubecl_kernels::rounding::e4m3_bits(x) as u8
 }
 
 /// Rounds an f32 to the nearest E4M3 value (encode then decode).
@@ -72,6 +57,36 @@ pub fn e4m3_decode_table() -> [f32; 256] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// E4M3 encoding by the format's definition (independent of the integer encoder above):
+    /// pick the binade's quantum, round the scaled value half to even, saturate.
+    fn by_definition(x: f32) -> u8 {
+        let sign = if x.is_sign_negative() { 0x80 } else { 0x00 };
+        if x.is_nan() {
+            return sign | E4M3_NAN;
+        }
+        let a = x.abs();
+        if a >= E4M3_MAX {
+            return sign | 0x7E;
+        }
+        // Exponent of `a` (floor(log2 a)), read from the bits: exact, unlike log2().
+        let exp = if a == 0.0 {
+            MIN_NORMAL_EXP
+        } else {
+            ((a.to_bits() >> 23) as i32 - 127).max(MIN_NORMAL_EXP)
+        };
+        // Quantum of the binade holding `a` (the subnormal quantum below 2^-6). Scaling by a
+        // power of two is exact, so one f32 rounding gives the correctly rounded significand.
+        let quantum = 2f32.powi(exp - MANTISSA_BITS);
+        let q = (a / quantum).round_ties_even() as u32; // 0..=16
+        let (exp, q) = if q == 16 { (exp + 1, 8) } else { (exp, q) };
+        let code = if q < 8 {
+            q // subnormal (exp == -6 and no hidden bit)
+        } else {
+            (((exp + EXP_BIAS) as u32) << 3) | (q - 8)
+        };
+        sign | code as u8
+    }
 
     /// Independent value table: the 127 positive finite E4M3 values in increasing order,
     /// built from the format definition (subnormals m/8 * 2^-6, normals (1+m/8) * 2^(e-7)).
@@ -134,6 +149,8 @@ mod tests {
             assert_eq!(f32_to_e4m3(-x), 0xFE);
         }
         assert_eq!(f32_to_e4m3(f32::NAN), E4M3_NAN);
+        assert_eq!(f32_to_e4m3(-f32::NAN), 0x80 | E4M3_NAN);
+        assert_eq!(f32_to_e4m3(f32::NEG_INFINITY), 0xFE);
         assert_eq!(f32_to_e4m3(-0.0), 0x80);
         // Below half the smallest subnormal rounds to zero; exactly half ties to even (zero).
         assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00);
@@ -141,20 +158,22 @@ mod tests {
     }
 
     /// The kernels' FP8 codes (`cubecl_kernels::rounding::fp8_code`: the quotient from `1 / s`
-    /// by a multiplication and Markstein's correction step, then their own integer E4M3
-    /// encoder) equal the spec's division encoded by this module.
+    /// by a multiplication and Markstein's correction step, then their integer E4M3 encoder)
+    /// equal the spec's division encoded by the format's definition.
     mod kernel_quotient {
         use super::*;
         use cubecl_kernels::rounding::{e4m3_bits, fp8_code};
 
-        /// The kernels' integer encoder against this module's on every 61st f32 in
-        /// [-448, 448] and on every E4M3 value and midpoint with its neighbours.
+        /// The kernels' integer encoder (which [`f32_to_e4m3`] is) against the format's
+        /// definition on every 61st f32 in [-448, 448] and on every E4M3 value and midpoint
+        /// with its neighbours.
         #[test]
-        fn integer_encoder_matches_the_reference_encoder() {
+        fn integer_encoder_matches_the_definition() {
             let mut checked = 0usize;
             let mut check = |v: f32| {
                 for y in [v, -v] {
-                    assert_eq!(e4m3_bits(y) as u8, f32_to_e4m3(y), "y = {y:e}");
+                    assert_eq!(e4m3_bits(y) as u8, by_definition(y), "y = {y:e}");
+                    assert_eq!(f32_to_e4m3(y), by_definition(y), "y = {y:e}");
                 }
                 checked += 1;
             };
@@ -173,7 +192,7 @@ mod tests {
         }
 
         fn by_division(x: f32, scale: f32) -> u8 {
-            f32_to_e4m3((x / scale).clamp(-E4M3_MAX, E4M3_MAX))
+            by_definition((x / scale).clamp(-E4M3_MAX, E4M3_MAX))
         }
 
         /// Deterministic `(absmax, scale)` pairs over many binades, as the kernels compute
@@ -224,7 +243,7 @@ mod tests {
                         let center = sign * h * scale;
                         let mut x = f32::from_bits(center.to_bits().saturating_sub(100));
                         for _ in 0..200 {
-                            let naive = f32_to_e4m3((x * inv).clamp(-E4M3_MAX, E4M3_MAX));
+                            let naive = by_definition((x * inv).clamp(-E4M3_MAX, E4M3_MAX));
                             let exact = by_division(x, scale);
                             caught += usize::from(naive != exact);
                             assert_eq!(

@@ -105,13 +105,7 @@ pub struct SlideSparseLinear<B: Backend> {
 impl<B: Backend> SlideSparseLinear<B> {
     /// Uploads a packed layer.
     pub fn from_packed(packed: &PackedLinear, device: &B::Device) -> Self {
-        let spec = LayerSpec {
-            pattern: packed.pattern,
-            precision: packed.precision(),
-            in_features: packed.in_features,
-            out_features: packed.out_features(),
-            alignment: packed.alignment,
-        };
+        let spec = packed.spec();
         let shape = [packed.weight.rows, packed.weight.cols];
         Self {
             weight: float_param(packed.weight.codes.to_f32(), &shape, device),

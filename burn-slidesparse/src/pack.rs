@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    backend::LayerSpec,
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
     prune::{self, PruneMethod},
@@ -66,6 +67,17 @@ pub struct PackedLinear {
 }
 
 impl PackedLinear {
+    /// Pattern, precision and sizes: what a backend needs besides the tensors.
+    pub fn spec(&self) -> LayerSpec {
+        LayerSpec {
+            pattern: self.pattern,
+            precision: self.precision(),
+            in_features: self.in_features,
+            out_features: self.out_features(),
+            alignment: self.alignment,
+        }
+    }
+
     /// Output width.
     pub fn out_features(&self) -> usize {
         self.weight.rows

@@ -17,9 +17,8 @@ use crate::{
     quant::Precision,
 };
 
-/// Floor of the per-token absmax before dividing by `QMAX`: keeps the scale of an all-zero
-/// token positive (its codes are all zero either way).
-pub const ACTIVATION_EPS: f32 = 1e-12;
+/// Floor of the per-token absmax before dividing by `QMAX`, the kernels' own value.
+pub use cubecl_kernels::rounding::ACTIVATION_EPS;
 
 /// Prepared weights of the reference path (SlideSparse, or the dense baseline without a lift).
 #[derive(Clone, Debug)]
@@ -150,5 +149,64 @@ pub fn forward<B: Backend>(x: Tensor<B, 2>, prepared: &ReferencePrepared<B>) -> 
     match &prepared.bias {
         Some(b) => out + b.clone(),
         None => out,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::NdArray;
+
+    use super::*;
+
+    /// `quantize_codes` on a tensor of `values`, back on the host.
+    fn codes(values: &[f32], precision: Precision) -> Vec<f32> {
+        let v = Tensor::<NdArray, 2>::from_data(
+            TensorData::new(values.to_vec(), [1, values.len()]),
+            &Default::default(),
+        );
+        quantize_codes(v, precision).into_data().into_vec().unwrap()
+    }
+
+    /// Every E4M3 value, every midpoint between neighbours and the f32s next to both, both
+    /// signs, and values past saturation.
+    fn e4m3_probes() -> Vec<f32> {
+        let mut values: Vec<f32> = (0..=0x7Eu8).map(fp8::e4m3_to_f32).collect();
+        let midpoints: Vec<f32> = values.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+        values.extend(midpoints);
+        let mut probes = Vec::new();
+        for v in values {
+            for bits in v.to_bits().saturating_sub(2)..=v.to_bits() + 2 {
+                let p = f32::from_bits(bits);
+                probes.extend([p, -p]);
+            }
+        }
+        probes.extend([449.0, -449.0, 500.0, 1e9, -1e9]);
+        probes
+    }
+
+    /// The reference path's tensor E4M3 rounding and the host encoder (the kernels' own) must
+    /// agree: one runs on any burn backend, the other packs weights and checks the GPU.
+    #[test]
+    fn tensor_e4m3_rounding_equals_the_host_encoder() {
+        let probes = e4m3_probes();
+        let got = codes(&probes, Precision::Fp8);
+        for (&x, &g) in probes.iter().zip(&got) {
+            let expected = fp8::round_to_e4m3(x);
+            // -0 and +0 are the same value.
+            assert!(g == expected, "x = {x:e}: tensor {g:e}, host {expected:e}");
+        }
+    }
+
+    #[test]
+    fn tensor_int8_rounding_is_half_to_even_and_clamped() {
+        let probes = [
+            -128.5f32, -127.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 126.5, 127.5, 300.0,
+        ];
+        let got = codes(&probes, Precision::Int8);
+        let expected: Vec<f32> = probes
+            .iter()
+            .map(|x| x.round_ties_even().clamp(-127.0, 127.0))
+            .collect();
+        assert_eq!(got, expected);
     }
 }

@@ -30,8 +30,9 @@ use crate::{
 
 /// Units per cube (8 warps): one row of up to a few thousand windows per cube.
 pub const QUANT_CUBE_DIM: u32 = 256;
-/// Floor of the per-token absmax, as in the reference path.
-pub const ACTIVATION_EPS: f32 = 1e-12;
+/// Floor of the per-token absmax (defined in [`crate::rounding`], shared with the reference
+/// path).
+pub use crate::rounding::ACTIVATION_EPS;
 
 /// Block-wide maxima of two f32 per unit (absmax and the non-finite flag), through plane
 /// reductions and one shared-memory exchange in buffer `slot` (0 or 1). Also a barrier:

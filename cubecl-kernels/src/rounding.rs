@@ -49,6 +49,11 @@ pub fn int8_code(x: f32, scale: f32, inv_scale: f32) -> f32 {
     f32::from(int8_code_bits(x, scale, inv_scale) as u8 as i8)
 }
 
+/// Floor of a token's absmax before it is divided by `QMAX` into the token's scale: keeps the
+/// scale of an all-zero token positive (its codes are zero either way). The kernels, the CPU
+/// reference path and the tests all use this one value.
+pub const ACTIVATION_EPS: f32 = 1e-12;
+
 /// Smallest normal E4M3 magnitude, `2^-6`: below it the quantum is `2^-9`.
 pub const FP8_MIN_NORMAL: f32 = 1.0 / 64.0;
 
