@@ -14,10 +14,13 @@ use crate::{error::Result, pattern::SparsityPattern, quant::Precision};
 /// Static description of a packed layer: everything but the tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct LayerSpec {
+    /// The `(2N-2):2N` pattern the weight was pruned to.
     pub pattern: SparsityPattern,
+    /// Element type of `W'` (and of the quantized activations).
     pub precision: Precision,
     /// Input width `K`.
     pub in_features: usize,
+    /// Output width.
     pub out_features: usize,
     /// Alignment of `K'`.
     pub alignment: usize,
@@ -38,11 +41,13 @@ impl LayerSpec {
 /// A packed layer's tensors on a backend, borrowed for preparation.
 #[derive(Clone, Debug)]
 pub struct PackedTensors<B: Backend> {
+    /// Pattern, precision and sizes.
     pub spec: LayerSpec,
     /// `W' [out, K']` as code values: INT8 integers, decoded E4M3 values, or the floats.
     pub weight: Tensor<B, 2>,
     /// Per-output-channel scales `[out]`.
     pub scale: Tensor<B, 1>,
+    /// Bias `[out]`, if the layer has one.
     pub bias: Option<Tensor<B, 1>>,
 }
 
@@ -50,11 +55,13 @@ pub struct PackedTensors<B: Backend> {
 /// per-token quantization, GEMM and epilogue, without the slide), borrowed for preparation.
 #[derive(Clone, Debug)]
 pub struct DenseTensors<B: Backend> {
+    /// Element type of `W` (and of the quantized activations).
     pub precision: Precision,
     /// `W [out, in]` as code values (INT8 integers, decoded E4M3, or floats).
     pub weight: Tensor<B, 2>,
     /// Per-output-channel scales `[out]`.
     pub scale: Tensor<B, 1>,
+    /// Bias `[out]`, if the layer has one.
     pub bias: Option<Tensor<B, 1>>,
 }
 

@@ -57,13 +57,21 @@ impl LayerSelection {
 /// The JSON report of a `pack` run.
 #[derive(Clone, Debug, Serialize)]
 pub struct PackReport {
+    /// The checkpoint packed.
     pub input: String,
+    /// The packed file written.
     pub output: String,
+    /// How every selected layer was packed.
     pub options: PackOptions,
+    /// One entry per packed layer, in name order.
     pub layers: Vec<PackStats>,
+    /// Tensors copied unchanged (embeddings, norms, biases of unpacked layers, ...).
     pub copied_tensors: usize,
+    /// Size of the input checkpoint.
     pub input_bytes: u64,
+    /// Size of the packed file.
     pub output_bytes: u64,
+    /// Wall time of the whole run.
     pub seconds: f64,
     /// Input bytes over wall time.
     pub megabytes_per_second: f64,
@@ -212,7 +220,9 @@ fn refuse_overwriting_input(input: &Path, output: &Path) -> Result<()> {
 /// Outcome of verifying one packed file.
 #[derive(Clone, Debug, Serialize)]
 pub struct VerifyReport {
+    /// Packed layers found valid (2:4 windows, exact un-slide).
     pub layers: usize,
+    /// Layers also checked against the original checkpoint (0 without one).
     pub checked_against_original: usize,
 }
 

@@ -45,14 +45,19 @@ pub struct LayerMeta {
     pub prefix: String,
     /// Name of the dense weight this layer was packed from.
     pub source_tensor: String,
+    /// The `(2N-2):2N` pattern.
     pub pattern: SparsityPattern,
+    /// Element type of the stored `W'`.
     pub precision: Precision,
+    /// Output width.
     pub out_features: usize,
     /// Original K.
     pub in_features: usize,
     /// K'.
     pub k_prime: usize,
+    /// Alignment of `K'`.
     pub alignment: usize,
+    /// Whether a bias tensor is stored.
     pub bias: bool,
     /// How the weight was pruned (`magnitude`, `activation-aware` or `none`), so that
     /// `verify --against` can redo it.
@@ -89,8 +94,11 @@ pub fn prefix_of(weight_name: &str) -> String {
 /// A tensor owned in memory, to be written to safetensors.
 #[derive(Clone, Debug)]
 pub struct OwnedTensor {
+    /// Element type of `data`.
     pub dtype: Dtype,
+    /// Shape, row-major.
     pub shape: Vec<usize>,
+    /// Little-endian element bytes.
     pub data: Vec<u8>,
 }
 
@@ -199,6 +207,7 @@ pub fn save_layers(path: &Path, layers: &[PackedLinear]) -> Result<()> {
 /// A packed file read into memory and checked.
 #[derive(Debug)]
 pub struct PackedFile {
+    /// The packed layers, in the file's order.
     pub layers: Vec<PackedLinear>,
 }
 

@@ -17,18 +17,31 @@ const MAX_DIMS: u32 = 4;
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GgufValue {
+    /// `uint8`.
     U8(u8),
+    /// `int8`.
     I8(i8),
+    /// `uint16`.
     U16(u16),
+    /// `int16`.
     I16(i16),
+    /// `uint32`.
     U32(u32),
+    /// `int32`.
     I32(i32),
+    /// `uint64`.
     U64(u64),
+    /// `int64`.
     I64(i64),
+    /// `float32`.
     F32(f32),
+    /// `float64`.
     F64(f64),
+    /// `bool`.
     Bool(bool),
+    /// A UTF-8 string.
     String(String),
+    /// An array (of one value type).
     Array(Vec<GgufValue>),
 }
 
@@ -69,11 +82,17 @@ impl GgufValue {
 /// Tensor element types this reader dequantizes (ggml type ids).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GgmlType {
+    /// 32-bit float.
     F32,
+    /// IEEE half.
     F16,
+    /// 4-bit blocks of 32 with one f16 scale.
     Q4_0,
+    /// 4-bit blocks of 32 with an f16 scale and minimum.
     Q4_1,
+    /// 8-bit blocks of 32 with one f16 scale.
     Q8_0,
+    /// bfloat16.
     Bf16,
     /// Any other ggml type: listed, but reading it is an error.
     Other(u32),
@@ -108,12 +127,15 @@ impl GgmlType {
 /// One entry of the tensor directory.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GgufTensorInfo {
+    /// Tensor name.
     pub name: String,
     /// ggml order: `dims[0]` is the innermost (contiguous) dimension.
     pub dims: Vec<u64>,
+    /// Element (or block) type.
     pub ggml_type: GgmlType,
     /// Absolute byte range in the file (checked to lie inside it, for known types).
     pub start: usize,
+    /// Byte length of the tensor data.
     pub len: usize,
 }
 
@@ -132,8 +154,11 @@ impl GgufTensorInfo {
 /// A parsed GGUF file (borrowing its bytes).
 #[derive(Debug)]
 pub struct GgufFile<'a> {
+    /// GGUF format version (2 or 3).
     pub version: u32,
+    /// Key-value metadata.
     pub metadata: HashMap<String, GgufValue>,
+    /// The tensor directory, in file order.
     pub tensors: Vec<GgufTensorInfo>,
     bytes: &'a [u8],
     path: String,

@@ -25,9 +25,12 @@ pub struct SlideSparseLinearConfig {
     pub d_input: usize,
     /// Output width.
     pub d_output: usize,
+    /// The `(2N-2):2N` pattern of the packed weight.
     pub pattern: SparsityPattern,
+    /// Element type of `W'` (and of the quantized activations).
     pub precision: Precision,
     #[config(default = true)]
+    /// Whether the layer has a bias.
     pub bias: bool,
     /// `K'` alignment (power of two, >= 32 for 8-bit, >= 16 for 16-bit precisions).
     #[config(default = 64)]
@@ -95,6 +98,7 @@ pub struct SlideSparseLinear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// Per-output-channel scales `[out]`, in f32 on every backend.
     pub weight_scale: Param<Tensor<B, 1>>,
+    /// Bias `[out]`, if the layer has one.
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// Pattern, precision and sizes (not persisted: the config carries them).
     pub spec: LayerSpec,

@@ -19,8 +19,11 @@ pub const DEFAULT_ALIGNMENT: usize = 64;
 /// How to pack a layer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PackOptions {
+    /// The `(2N-2):2N` pattern to prune to.
     pub pattern: SparsityPattern,
+    /// Element type of the packed weight.
     pub precision: Precision,
+    /// How to choose the kept weights.
     pub prune: PruneMethod,
     /// `K'` is rounded up to a multiple of this (power of two, >= 32 for 8-bit, >= 16 else).
     pub alignment: usize,
@@ -57,12 +60,15 @@ pub(crate) fn check_alignment(alignment: usize, precision: Precision) -> Result<
 pub struct PackedLinear {
     /// Name of the source weight tensor (e.g. `model.layers.0.mlp.down_proj.weight`).
     pub name: String,
+    /// The `(2N-2):2N` pattern the weight satisfies.
     pub pattern: SparsityPattern,
     /// Input width `K` of the original layer.
     pub in_features: usize,
+    /// Alignment of `K'` (a power of two).
     pub alignment: usize,
     /// `[out_features, K']` codes plus per-row scales.
     pub weight: QuantizedWeight,
+    /// Bias `[out]`, if the layer has one.
     pub bias: Option<Vec<f32>>,
 }
 
@@ -288,16 +294,23 @@ fn unslide_matrix<T: SlideElement>(
 /// What packing one layer kept and cost.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PackStats {
+    /// Name of the source weight tensor.
     pub name: String,
+    /// `[out, K]` of the dense weight.
     pub shape: [usize; 2],
+    /// `K'`, the slid width.
     pub k_prime: usize,
+    /// Nonzeros of the dense weight.
     pub nonzeros_before: usize,
+    /// Nonzeros after pruning.
     pub nonzeros_kept: usize,
     /// `||W - prune(W)|| / ||W||` (before quantization).
     pub pruning_error: f64,
     /// `||W - dequant(quant(prune(W)))|| / ||W||`.
     pub total_error: f64,
+    /// Bytes of the dense weight in f32.
     pub dense_bytes_f32: usize,
+    /// Bytes stored for the packed layer (`W'`, scales, bias).
     pub packed_bytes: usize,
 }
 

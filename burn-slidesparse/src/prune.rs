@@ -19,7 +19,10 @@ pub enum PruneMethod {
     Magnitude,
     /// Wanda-style: keep the `2N-2` best `|W[n,k]| * ||X[:,k]||_2` of every block, given the
     /// per-input-channel activation norms of calibration tokens.
-    ActivationAware { input_norms: Vec<f32> },
+    ActivationAware {
+        /// `||X[:,k]||_2` for every input channel `k`.
+        input_norms: Vec<f32>,
+    },
     /// Do not prune: the weight must already satisfy the pattern (checked).
     None,
 }

@@ -131,8 +131,11 @@ pub enum WeightCodes {
     I8(Vec<i8>),
     /// E4M3 bit patterns.
     Fp8(Vec<u8>),
+    /// BF16 values.
     Bf16(Vec<bf16>),
+    /// F16 values.
     F16(Vec<f16>),
+    /// F32 values.
     F32(Vec<f32>),
 }
 
@@ -221,8 +224,11 @@ pub(crate) use map_codes;
 /// A quantized `[rows, cols]` weight with one scale per row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantizedWeight {
+    /// Output channels.
     pub rows: usize,
+    /// Columns (`K` dense, `K'` slid).
     pub cols: usize,
+    /// Row-major codes.
     pub codes: WeightCodes,
     /// Per-output-channel scales (1 for float precisions and for all-zero rows).
     pub scales: Vec<f32>,

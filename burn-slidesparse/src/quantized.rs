@@ -33,7 +33,9 @@ pub struct QuantizedLinear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// Per-output-channel scales `[out]`, in f32 on every backend.
     pub weight_scale: Param<Tensor<B, 1>>,
+    /// Bias `[out]`, if the layer has one.
     pub bias: Option<Param<Tensor<B, 1>>>,
+    /// Precision and sizes (not persisted in the record).
     pub spec: DenseSpec,
     prepared: PreparedSlot,
 }

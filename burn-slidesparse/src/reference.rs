@@ -23,6 +23,7 @@ pub use cubecl_kernels::rounding::ACTIVATION_EPS;
 /// Prepared weights of the reference path (SlideSparse, or the dense baseline without a lift).
 #[derive(Clone, Debug)]
 pub struct ReferencePrepared<B: Backend> {
+    /// How activations are quantized before the matmul.
     pub precision: Precision,
     /// Input width `K`.
     pub in_features: usize,

@@ -52,8 +52,11 @@ impl SlideElement for f32 {
 /// A block whose nonzeros do not fit the windows (more than `2N-2`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct SlideFailure {
+    /// Row of the block.
     pub row: usize,
+    /// Block index within the row.
     pub block: usize,
+    /// Nonzeros the block holds.
     pub nonzeros: usize,
 }
 
@@ -135,9 +138,15 @@ pub fn slide_matrix<T: SlideElement>(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnslideError {
     /// A nonzero sits in a padding column (`src(o)` is none).
-    NonzeroInPadding { column: usize },
+    NonzeroInPadding {
+        /// The slid column.
+        column: usize,
+    },
     /// Two slid columns put a nonzero into the same source column.
-    Collision { column: usize },
+    Collision {
+        /// The source column hit twice.
+        column: usize,
+    },
 }
 
 /// Inverse of the slide: scatters every nonzero of `slid` (width `K'`) back to its source

@@ -257,7 +257,7 @@ fn check_codes(
     precision: Precision,
     label: &str,
 ) {
-    use burn_slidesparse::{fp8, reference::ACTIVATION_EPS};
+    use burn_slidesparse::internals::{fp8, reference::ACTIVATION_EPS};
     let qmax = precision.qmax().unwrap();
     for row in 0..m_pad {
         let xr = if row < m {
@@ -332,7 +332,7 @@ fn quant_lift_kernel_is_bit_exact() {
 /// the spec's division: each row holds its absmax and the 16 f32 values around each
 /// midpoint times a random scale.
 fn next_to_fp8_midpoints(rng: &mut impl rand::Rng, k: usize) -> Vec<f32> {
-    use burn_slidesparse::fp8::e4m3_to_f32;
+    use burn_slidesparse::internals::fp8::e4m3_to_f32;
     let mut magnitudes: Vec<f32> = (0u8..0x7F).map(e4m3_to_f32).collect();
     magnitudes.sort_by(f32::total_cmp);
     let midpoints: Vec<f32> = magnitudes.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
@@ -409,7 +409,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
             DenseLayerGpu, SyncMode,
             state::{device_state, set_sync_mode},
         },
-        quant::quantize_weight,
+        internals::quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
     let device = Default::default();
@@ -489,7 +489,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
 fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     use burn_slidesparse::{
         cuda::{DenseLayerGpu, GraphMode, Settings, SyncMode, state::device_state},
-        quant::quantize_weight,
+        internals::quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
     let device = Default::default();
@@ -632,7 +632,7 @@ fn read_f32<B: burn::tensor::backend::Backend>(y: burn::tensor::ops::FloatTensor
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn dense_baseline_matches_host_w8a8() {
     use burn::tensor::ElementConversion;
-    use burn_slidesparse::{cuda::DenseLayerGpu, quant::quantize_weight};
+    use burn_slidesparse::{cuda::DenseLayerGpu, internals::quant::quantize_weight};
     let client = CudaRuntime::client(&Default::default());
     let mut rng = rng(104);
     for precision in [Precision::Int8, Precision::Fp8] {
@@ -953,7 +953,7 @@ fn forward_past_gpu_memory_is_a_typed_error_and_the_device_keeps_working() {
     use burn_slidesparse::{
         QuantizedLinear, SlideSparseError,
         cuda::{memory::available_bytes, state::device_state},
-        quant::quantize_weight,
+        internals::quant::quantize_weight,
     };
     let mut rng = rng(109);
     let (k, n) = (4096, 16384);
