@@ -12,7 +12,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])')
 cp "$test_exe" gpu-bin/gpu-tests
-cargo build --release -p burn-slidesparse --features cuda,internals --bin slidesparse-bench
+cargo build --release -p burn-slidesparse --features cuda,cli --bin slidesparse-bench
 cargo build --release -p slidesparse-examples --features cuda --example model_throughput
 cp target/release/slidesparse-bench target/release/examples/model_throughput gpu-bin/
 rm -f gpu-bin/slidesparse

@@ -860,7 +860,7 @@ fn epilogue_kernel_matches_host() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn quantized_linear_module_matches_the_reference() {
-    use burn_slidesparse::{QuantizedLinear, quant::quantize_weight};
+    use burn_slidesparse::{QuantizedLinear, internals::quant::quantize_weight};
     let mut rng = rng(109);
     for precision in [Precision::Int8, Precision::Fp8, Precision::Bf16] {
         for (m, k, n) in [(1, 100, 50), (300, 1000, 200)] {

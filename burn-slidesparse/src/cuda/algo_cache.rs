@@ -76,7 +76,7 @@ impl AlgoCache {
                 let _ = std::fs::create_dir_all(dir);
             }
             if let Ok(json) = serde_json::to_vec_pretty(&self.entries) {
-                let _ = crate::format::write_atomically(path, &json);
+                let _ = crate::files::write_atomically(path, &json);
             }
         }
     }

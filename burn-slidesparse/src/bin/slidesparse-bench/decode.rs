@@ -28,8 +28,8 @@ use burn_slidesparse::{
         gate::StreamGate,
         state::{device_state, set_graph_mode},
     },
+    internals::quant::quantize_weight,
     pack_linear,
-    quant::quantize_weight,
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 

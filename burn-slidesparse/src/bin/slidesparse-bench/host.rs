@@ -25,8 +25,8 @@ use burn_slidesparse::{
         pipeline::m_pad,
         state::{device_state, set_graph_mode},
     },
+    internals::quant::quantize_weight,
     pack_linear,
-    quant::quantize_weight,
 };
 use cubecl::{CubeCount, CubeDim, Runtime, cuda::CudaRuntime, prelude::*};
 use cubecl_kernels::stream_sync::signal_kernel;
@@ -303,7 +303,10 @@ fn library_calls(
     let stream = st.stream;
     let sync = || unsafe { cudarc::driver::result::stream::synchronize(stream) }.unwrap();
     let workspace = Buf::new(SPARSE_WORKSPACE.max(WORKSPACE));
-    let alpha = Buf::upload(&burn_slidesparse::format::f32_bytes(&vec![1.0; n]));
+    let alpha = Buf::upload(&burn_slidesparse::internals::format::f32_bytes(&vec![
+        1.0;
+        n
+    ]));
     let x = Buf::upload(&random_codes(m_pad * k_prime.max(k), precision, 5));
     let out = Buf::new(m_pad * n * 4);
     let comp = compressed_2_4_weight(&st, n, k_prime, precision);

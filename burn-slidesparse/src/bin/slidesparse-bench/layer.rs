@@ -29,8 +29,8 @@ use burn_slidesparse::{
         pipeline::m_pad,
         state::{device_state, set_sync_mode},
     },
+    internals::quant::quantize_weight,
     pack_linear,
-    quant::quantize_weight,
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 use half::bf16;

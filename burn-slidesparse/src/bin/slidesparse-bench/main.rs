@@ -17,7 +17,7 @@ use burn_slidesparse::{
         cusparselt::{self, GemmPointers, GemmShape, MatDescriptor},
         state::{DeviceState, device_state},
     },
-    format::f32_bytes,
+    internals::format::f32_bytes,
 };
 use clap::Parser;
 use cudarc::driver::{result as cu, sys};
@@ -101,7 +101,9 @@ fn random_codes(count: usize, precision: Precision, seed: u64) -> Vec<u8> {
                     .iter_mut()
                     .for_each(|b| *b = rng.random_range(-100i8..=100) as u8),
                 Precision::Fp8 => chunk.iter_mut().for_each(|b| {
-                    *b = burn_slidesparse::fp8::f32_to_e4m3(rng.random_range(-4.0f32..4.0))
+                    *b = burn_slidesparse::internals::fp8::f32_to_e4m3(
+                        rng.random_range(-4.0f32..4.0),
+                    )
                 }),
                 _ => chunk.chunks_exact_mut(2).for_each(|c| {
                     let v = half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes();
