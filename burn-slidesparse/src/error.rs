@@ -12,18 +12,31 @@ pub enum SlideSparseError {
         "invalid sparsity pattern {input:?}: expected nonzeros:block of the form (2N-2):2N with N in 2..=16 \
          (2:4, 4:6, 6:8, 8:10, 10:12, 12:14, 14:16, ..., 30:32){hint}"
     )]
-    InvalidPattern { input: String, hint: String },
+    /// A pattern string that is not `(2N-2):2N`.
+    InvalidPattern {
+        /// What was given.
+        input: String,
+        /// A hint for a likely mix-up (e.g. zeros:block instead of nonzeros:block).
+        hint: String,
+    },
 
+    /// A precision name that is not one of the supported ones.
     #[error("invalid precision {0:?}: expected one of int8, fp8, bf16, f16, f32")]
     InvalidPrecision(String),
 
+    /// A `K'` alignment that is not a power of two at least the precision's minimum
+    /// (given, minimum).
     #[error("invalid K' alignment {0}: must be a power of two >= {1} for this precision")]
     InvalidAlignment(usize, usize),
 
+    /// A tensor or input of the wrong shape.
     #[error("{what}: shape mismatch, expected {expected} but got {actual}")]
     ShapeMismatch {
+        /// What was checked.
         what: String,
+        /// The expected shape.
         expected: String,
+        /// The shape found.
         actual: String,
     },
 
@@ -31,88 +44,148 @@ pub enum SlideSparseError {
         "{tensor}: row {row}, block {block} (columns {start}..{end}) holds {nonzeros} nonzeros, \
          more than the {allowed} that pattern {pattern} allows"
     )]
+    /// A block of a weight holds more nonzeros than its pattern allows.
     PatternViolation {
+        /// The tensor.
         tensor: String,
+        /// The pattern.
         pattern: String,
+        /// The row.
         row: usize,
+        /// The block's index in the row.
         block: usize,
+        /// The block's first column.
         start: usize,
+        /// One past the block's last column.
         end: usize,
+        /// Nonzeros found.
         nonzeros: usize,
+        /// Nonzeros allowed.
         allowed: usize,
     },
 
     #[error(
         "{tensor}: row {row}, 2:4 window at column {column} holds {nonzeros} nonzeros (at most 2 allowed)"
     )]
+    /// A 2:4 window of a slid weight holds more than two nonzeros.
     WindowViolation {
+        /// The tensor.
         tensor: String,
+        /// The row.
         row: usize,
+        /// The window's first column.
         column: usize,
+        /// Nonzeros found.
         nonzeros: usize,
     },
 
+    /// A packed weight does not reproduce its source.
     #[error("{tensor}: verification failed at row {row}, column {column}: {detail}")]
     VerifyMismatch {
+        /// The tensor.
         tensor: String,
+        /// The row.
         row: usize,
+        /// The column.
         column: usize,
+        /// What differs.
         detail: String,
     },
 
     #[error(
         "{tensor}: non-finite weight ({value}) at row {row}, column {column}; the packer refuses NaN/Inf weights"
     )]
+    /// A NaN or infinite weight given to the packer.
     NonFiniteWeight {
+        /// The tensor.
         tensor: String,
+        /// The row.
         row: usize,
+        /// The column.
         column: usize,
+        /// The value.
         value: f32,
     },
 
     #[error(
         "{tensor}: activation norms have length {actual}, expected {expected} (one per input channel)"
     )]
+    /// Activation norms for activation-aware pruning of the wrong length.
     CalibrationMismatch {
+        /// The tensor.
         tensor: String,
+        /// One per input channel.
         expected: usize,
+        /// What was given.
         actual: usize,
     },
 
+    /// A packed file that fails a check of the format.
     #[error("packed file {path}: {detail}")]
-    InvalidPackedFile { path: String, detail: String },
+    InvalidPackedFile {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
 
+    /// A GGUF file that fails a check.
     #[error("GGUF file {path}: {detail}")]
-    InvalidGguf { path: String, detail: String },
+    InvalidGguf {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
 
+    /// A tensor a file should hold is missing.
     #[error("tensor {name:?} not found in {path}")]
-    MissingTensor { name: String, path: String },
+    MissingTensor {
+        /// The tensor.
+        name: String,
+        /// The file.
+        path: String,
+    },
 
+    /// A tensor of a dtype that cannot be read where it is.
     #[error("tensor {name:?}: unsupported dtype {dtype} ({context})")]
     UnsupportedDtype {
+        /// The tensor.
         name: String,
+        /// Its dtype.
         dtype: String,
+        /// Where it was read.
         context: String,
     },
 
+    /// The output path of a command is its input.
     #[error("refusing to write {0}: it is the input file")]
     OutputIsInput(PathBuf),
 
+    /// A layer-selecting regular expression that does not compile.
     #[error("invalid regular expression {pattern:?}: {source}")]
     Regex {
+        /// The expression.
         pattern: String,
+        /// The parser's error.
         source: regex::Error,
     },
 
+    /// An I/O error, with the path it happened on.
     #[error("I/O error on {path}: {source}")]
     Io {
+        /// The path.
         path: String,
+        /// The error.
         source: std::io::Error,
     },
 
+    /// A safetensors file that does not parse.
     #[error("safetensors error in {path}: {source}")]
     SafeTensors {
+        /// The file.
         path: String,
+        /// The parser's error.
         source: safetensors::SafeTensorError,
     },
 
@@ -222,6 +295,7 @@ pub enum SlideSparseError {
         why: String,
     },
 
+    /// No usable NVIDIA GPU: no driver, no device, or an index past the last one.
     #[error(
         "no usable NVIDIA GPU: {0}; run on a reference backend (e.g. NdArray) or check the driver"
     )]
@@ -232,9 +306,13 @@ pub enum SlideSparseError {
          (driver free memory plus cubecl's unused pool); use fewer tokens per call (smaller M), \
          fewer layers on this GPU, or free other tensors first"
     )]
+    /// A request that cannot fit in the GPU's free memory, refused before cubecl is asked.
     OutOfMemory {
+        /// What the memory was for.
         what: String,
+        /// Bytes needed.
         needed: u64,
+        /// Bytes free.
         available: u64,
     },
 }

@@ -1,4 +1,6 @@
 #![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 // The public API is the re-exports below (plus `cuda` and `gguf` behind their features); the
 // modules themselves are crate-private so that what a user sees is what we mean to keep
