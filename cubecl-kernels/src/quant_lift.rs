@@ -3,11 +3,11 @@
 //! Two kernels, same contract and same codes; in both one cube handles a token row at a
 //! time, first reducing the row's absmax, then writing whole output vectors of the lifted
 //! row (16 codes = four 2:4 windows in one 16-byte store for 8-bit codes):
-//! - [`quant_lift_grouped_kernel`] (rows of whole 16-byte vectors, every LLM shape): each unit
+//! - [`fn@quant_lift_grouped_kernel`] (rows of whole 16-byte vectors, every LLM shape): each unit
 //!   holds groups of four pattern blocks in registers, quantizes each input once and lifts
 //!   through a compile-time map; its [`GroupedLayout`] (cube size, rows per cube, next-row
 //!   prefetch, shared-memory-staged stores) is chosen per launch;
-//! - [`quant_lift_kernel`] (any `K`): the row staged in shared memory where it fits, each
+//! - [`fn@quant_lift_kernel`] (any `K`): the row staged in shared memory where it fits, each
 //!   output code gathered through the lift map's index arithmetic.
 //!
 //! Rows `M..M_pad` are written as zeros with scale 1 so that the GEMM can run on the padded
@@ -297,7 +297,7 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
 
 /// `X [M, K]` -> `X' [M_pad, K']` codes + `s_x [M_pad]`, the fast path for rows of whole
 /// 16-byte input vectors (`K % VI == 0`, `VI` = 16 bytes): same contract and same codes as
-/// [`quant_lift_kernel`], other layout of the work.
+/// [`fn@quant_lift_kernel`], other layout of the work.
 ///
 /// The row is cut into groups of four pattern blocks ([`group_input_len`] inputs ->
 /// [`group_output_len`] outputs, both whole vectors; `crate::grouping`). Each unit of a cube
@@ -308,7 +308,7 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
 ///    vectors by a lift map that is a compile-time constant within a group: no index
 ///    arithmetic, no shared memory, 16-byte stores. 8-bit codes are packed four to a `u32`
 ///    word (`Q` is `u32` for the 8-bit modes; `out` holds words) and each output word, one
-///    2:4 window, is a packed word or a funnel shift of two ([`lift_packed_codes`]).
+///    2:4 window, is a packed word or a funnel shift of two (`lift_packed_codes`).
 ///
 /// A cube handles rows `CUBE_POS`, `CUBE_POS + CUBE_COUNT`, ... and loads the next row's
 /// groups before it reduces, quantizes and stores the current one, so that its loads stay in
@@ -401,7 +401,7 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     }
 }
 
-/// How [`quant_lift_grouped_kernel`] lays out its work (compile-time).
+/// How [`fn@quant_lift_grouped_kernel`] lays out its work (compile-time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GroupedLayout {
     /// Units per cube (the launch's cube size).

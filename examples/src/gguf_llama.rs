@@ -1,4 +1,4 @@
-//! Loading a Llama-architecture GGUF (e.g. SmolLM2-135M) into [`Llama`](crate::llama::Llama)
+//! Loading a Llama-architecture GGUF (e.g. SmolLM2-135M) into [`Llama`]
 //! with dense layers; every tensor is checked for presence and shape.
 
 use burn::{

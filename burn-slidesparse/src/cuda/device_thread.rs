@@ -5,7 +5,7 @@
 //! the burn thread that queued them. A library call placed in that queue is therefore
 //! ordered on burn's stream exactly where it stands in the program. Two ways in:
 //!
-//! - [`on_burn_stream`] blocks (`ComputeClient::exclusive` flushes the queue and waits for
+//! - `on_burn_stream` blocks (`ComputeClient::exclusive` flushes the queue and waits for
 //!   the task): the closure may borrow the caller's state and return its error. Direct
 //!   library calls and graph captures go this way.
 //! - [`GraphLauncher::queue`] queues the `cuGraphLaunch` of a graph captured earlier like a

@@ -55,8 +55,8 @@ fn input_vector(k: usize, elem_bytes: usize) -> usize {
 /// Launches the quant+lift kernel: `X [m, k]` -> codes `[m_pad, k_out]` + scales `[m_pad]`.
 /// `n == 0` is the dense baseline (no lift, `k_slide == k`). `k_out` must be a multiple of 4.
 ///
-/// Rows of whole 16-byte vectors (every LLM shape) take [`quant_lift_grouped_kernel`]; other
-/// rows take [`quant_lift_kernel`], which stages the row in shared memory when it fits in
+/// Rows of whole 16-byte vectors (every LLM shape) take [`fn@quant_lift_grouped_kernel`]; other
+/// rows take [`fn@quant_lift_kernel`], which stages the row in shared memory when it fits in
 /// [`STAGE_BYTES`] and reads it twice otherwise. Both write the same codes.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_quant_lift(
