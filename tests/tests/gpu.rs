@@ -407,7 +407,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     use burn_slidesparse::{
         cuda::{
             DenseLayerGpu, SyncMode,
-            state::{device_state, set_sync_mode},
+            state::{device_state, update_settings},
         },
         internals::quant::quantize_weight,
     };
@@ -436,7 +436,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     .unwrap();
     let x0 = random_f32(&mut rng, m * d);
     let run = |mode| {
-        set_sync_mode(0, mode).unwrap();
+        update_settings(0, |s| s.sync = mode).unwrap();
         let mut x = on_gpu::<Gpu, 2>(x0.clone(), [m, d], DType::F32);
         let mut outputs = Vec::new();
         for _ in 0..6 {

@@ -4,14 +4,16 @@
 //! (`ordering.rs`) and replayed as CUDA graphs on kept buffers (`graphs.rs`).
 
 use burn::tensor::DType;
+use cudarc::driver::sys;
 
 use super::{
     accumulator::Accumulator,
     buffers::{ForwardBuffer, HeldBuffer},
+    config::Settings,
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt::{GemmPointers, GemmShape, sys::Stream},
     graphs::{GemmCall, GraphKey, Replay},
-    ordering::run_ordered,
+    ordering::{Lane, run_ordered},
     runtime::{Client, device_ptr, sync_burn_stream},
     state::DeviceState,
 };
@@ -45,6 +47,26 @@ pub trait LayerGemm: Clone + Send + Sync + 'static {
         accumulator: Accumulator,
         buffers: GemmBuffers<'_>,
     ) -> Result<()>;
+}
+
+/// Runs a GEMM call (`enqueue`) on `lane` under the device's settings: replayed from a graph
+/// keyed by `call` (the call's shape and its weight, alpha and workspace pointers) when the
+/// activations and accumulator are kept buffers, ordered on burn's stream, with the token
+/// scales of the `m_pad` rows as the NaN target of a failed queued replay.
+fn run_on_lane(
+    client: &Client,
+    lane: &mut Lane,
+    settings: Settings,
+    (buffers, m_pad): (GemmBuffers<'_>, usize),
+    (call, weight, alpha, workspace): (GemmCall, u64, u64, u64),
+    enqueue: impl FnMut(sys::CUstream) -> Result<()>,
+) -> Result<()> {
+    let replay = Replay::new(settings.graphs, || {
+        let kept = (buffers.codes, buffers.acc);
+        GraphKey::if_kept(call, weight, kept, alpha, workspace)
+    });
+    let poison = (buffers.token_scales, m_pad);
+    run_ordered(client, lane, settings.sync, poison, replay, enqueue)
 }
 
 /// The compressed 2:4 weight `W' [n_pad, K']` for cuSPARSELt.
@@ -132,13 +154,8 @@ impl LayerGemm for SparseGemm {
         let plan = &plans[&shape];
         let lane = lanes.current()?;
         let p_ws = lane.workspace(client, plan.workspace)?;
-        let (weight, alpha) = (self.compressed.ptr, self.alpha.ptr);
-        let replay = Replay::new(settings.graphs, || {
-            let kept = (buffers.codes, buffers.acc);
-            GraphKey::if_kept(GemmCall::Sparse(shape), weight, kept, alpha, p_ws)
-        });
-        let poison = (buffers.token_scales, m_pad);
-        run_ordered(client, lane, settings.sync, poison, replay, |stream| {
+        let call = (GemmCall::Sparse(shape), self.compressed.ptr, self.alpha.ptr, p_ws);
+        run_on_lane(client, lane, settings, (buffers, m_pad), call, |stream| {
             // Pointers of buffers that are not kept are resolved here: on cubecl's device
             // thread in `Stream` mode, where `get_resource` is a direct call.
             let p = self.pointers(client, buffers)?;
@@ -191,12 +208,8 @@ impl LayerGemm for DenseGemm {
         let lane = lanes.current()?;
         let p_ws = lane.workspace(client, WORKSPACE)?;
         let weight = self.weight.ptr;
-        let replay = Replay::new(settings.graphs, || {
-            let kept = (buffers.codes, buffers.acc);
-            GraphKey::if_kept(GemmCall::Dense(shape), weight, kept, 0, p_ws)
-        });
-        let poison = (buffers.token_scales, m_pad);
-        run_ordered(client, lane, settings.sync, poison, replay, |stream| {
+        let call = (GemmCall::Dense(shape), weight, 0, p_ws);
+        run_on_lane(client, lane, settings, (buffers, m_pad), call, |stream| {
             // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
             let (p_x, p_acc) = (
                 buffers.codes.pointer(client)?,

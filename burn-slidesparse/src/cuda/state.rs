@@ -157,20 +157,13 @@ pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
     Ok(state)
 }
 
-/// Changes the graph mode of device `index`'s forwards (tests and benchmarks).
-pub fn set_graph_mode(index: usize, graphs: super::config::GraphMode) -> Result<()> {
+/// Changes the settings of device `index`'s forwards with `change` (tests and benchmarks
+/// compare graph modes and orderings), e.g. `update_settings(0, |s| s.graphs = GraphMode::Off)`.
+pub fn update_settings(index: usize, change: impl FnOnce(&mut Settings)) -> Result<()> {
     let state = device_state(index)?;
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-    let settings = state.settings();
-    state.set_settings(Settings { graphs, ..settings });
-    Ok(())
-}
-
-/// Changes how device `index`'s GEMMs join burn's stream (tests and benchmarks).
-pub fn set_sync_mode(index: usize, sync: super::config::SyncMode) -> Result<()> {
-    let state = device_state(index)?;
-    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-    let settings = state.settings();
-    state.set_settings(Settings { sync, ..settings });
+    let mut settings = state.settings();
+    change(&mut settings);
+    state.set_settings(settings);
     Ok(())
 }

@@ -26,7 +26,7 @@ use burn_slidesparse::{
     cuda::{
         DenseLayerGpu, GraphMode,
         gate::StreamGate,
-        state::{device_state, set_graph_mode},
+        state::{device_state, update_settings},
     },
     internals::quant::quantize_weight,
     pack_linear,
@@ -237,7 +237,7 @@ fn time_block(
     };
     let wall = wall_ms();
     let wall_blocking = if ours {
-        set_graph_mode(0, GraphMode::Blocking).expect("GPU state");
+        update_settings(0, |s| s.graphs = GraphMode::Blocking).expect("GPU state");
         let blocking = wall_ms();
         let state = device_state(0).expect("GPU state");
         state

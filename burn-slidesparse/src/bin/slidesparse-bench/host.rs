@@ -23,7 +23,7 @@ use burn_slidesparse::{
         gemm::{GemmBuffers, LayerGemm},
         launch::{launch_epilogue, launch_quant_lift},
         pipeline::m_pad,
-        state::{device_state, set_graph_mode},
+        state::{device_state, update_settings},
     },
     internals::quant::quantize_weight,
     pack_linear,
@@ -201,7 +201,7 @@ pub fn host_bench(args: &Args) {
                 } else {
                     GraphMode::Blocking
                 };
-                set_graph_mode(0, mode).expect("GPU state");
+                update_settings(0, |s| s.graphs = mode).expect("GPU state");
                 let (codes, acc) = (buffer(&codes, kept), buffer(&acc, kept));
                 let scales = buffer(&scales, kept);
                 rows.push((
@@ -247,7 +247,7 @@ pub fn host_bench(args: &Args) {
                     (true, false) => GraphMode::Blocking,
                     (true, true) => GraphMode::Queued,
                 };
-                set_graph_mode(0, mode).expect("GPU state");
+                update_settings(0, |s| s.graphs = mode).expect("GPU state");
                 rows.push((
                     sparse_piece,
                     per_call_us(

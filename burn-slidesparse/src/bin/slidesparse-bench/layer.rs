@@ -27,7 +27,7 @@ use burn_slidesparse::{
         accumulator::Accumulator,
         launch::{QuantKernel, launch_epilogue, launch_quant_lift_with},
         pipeline::m_pad,
-        state::{device_state, set_sync_mode},
+        state::{device_state, update_settings},
     },
     internals::quant::quantize_weight,
     pack_linear,
@@ -299,7 +299,7 @@ fn ordering_cost(
     let rows = [SyncMode::Stream, SyncMode::Host]
         .into_iter()
         .map(|mode| {
-            set_sync_mode(0, mode).expect("GPU state");
+            update_settings(0, |s| s.sync = mode).expect("GPU state");
             let dense_fwd = |i: usize| {
                 let _ = dense.forward(&prims[i % rot]).unwrap();
             };
