@@ -189,6 +189,14 @@ pub enum SlideSparseError {
         source: safetensors::SafeTensorError,
     },
 
+    /// A saved record that cannot be loaded into the model: unreadable, or of other layer
+    /// kinds than the model's (a sparse record into a dense-built model).
+    #[error("loading a record: {detail}")]
+    Record {
+        /// What went wrong, with the model's layer kinds where they differ.
+        detail: String,
+    },
+
     /// A failure of a backend operation that has no more specific variant (the reference
     /// path reading tensors, a layer's name added as context).
     #[error("{0}")]

@@ -172,16 +172,18 @@ impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
 pub fn load_record<B: Backend, M: Module<B>>(model: M, record: M::Record) -> Result<M> {
     let kinds = layer_kinds(&model);
     std::panic::catch_unwind(AssertUnwindSafe(|| model.load_record(record))).map_err(|panic| {
-        SlideSparseError::Backend(format!(
-            "loading a record: {} (the model's layer kinds: {}); build and swap the model's \
+        SlideSparseError::Record {
+            detail: format!(
+                "{} (the model's layer kinds: {}); build and swap the model's \
              layers the same way as the saved model's before loading",
-            panic_message(panic.as_ref()),
-            if kinds.is_empty() {
-                "none".to_string()
-            } else {
-                kinds.join(", ")
-            },
-        ))
+                panic_message(panic.as_ref()),
+                if kinds.is_empty() {
+                    "none".to_string()
+                } else {
+                    kinds.join(", ")
+                },
+            ),
+        }
     })
 }
 
@@ -196,7 +198,9 @@ pub fn load_file<B: Backend, M: Module<B>, R: FileRecorder<B>>(
     let path = path.into();
     let record = recorder
         .load(path.clone(), device)
-        .map_err(|e| SlideSparseError::Backend(format!("loading {}: {e}", path.display())))?;
+        .map_err(|e| SlideSparseError::Record {
+            detail: format!("{}: {e}", path.display()),
+        })?;
     load_record(model, record)
 }
 
