@@ -39,8 +39,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "gpu tests exit code: $?"
   grep -E "^test |test result|panicked|rel err|error" "$OUT/gpu-tests.log" | tail -30
 fi
-for mode in gemm layer quant host decode; do
-  if { [ "$what" = all ] && [ $mode != quant ] && [ $mode != host ] && [ $mode != decode ]; } || [ "$what" = $mode ]; then
+for mode in gemm layer quant host decode fusion; do
+  if { [ "$what" = all ] && [ $mode != quant ] && [ $mode != host ] && [ $mode != decode ] && [ $mode != fusion ]; } || [ "$what" = $mode ]; then
     ./gpu-bin/slidesparse-bench $mode --json "$OUT/$mode.json" "$@" > "$OUT/$mode.md" 2> "$OUT/$mode.err"
     echo "$mode bench exit code: $?"
     tail -3 "$OUT/$mode.err"

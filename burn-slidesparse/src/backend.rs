@@ -126,7 +126,7 @@ impl PreparedSlot {
 
 /// Implements [`SlideSparseBackend`] with the reference path for a backend type:
 /// `impl_reference_backend!(for [] burn::backend::NdArray);`, with generic parameters in
-/// the brackets: `impl_reference_backend!(for [B: Backend] burn::backend::Autodiff<B>);`
+/// the brackets: `impl_reference_backend!(for [F: FloatElement] MyBackend<F>);`
 #[macro_export]
 macro_rules! impl_reference_backend {
     (for [$($generics:tt)*] $backend:ty) => {
@@ -165,4 +165,5 @@ macro_rules! impl_reference_backend {
 }
 
 impl_reference_backend!(for [] burn::backend::NdArray);
-impl_reference_backend!(for [B: Backend] burn::backend::Autodiff<B>);
+#[cfg(feature = "flex")]
+impl_reference_backend!(for [] burn::backend::Flex);

@@ -189,6 +189,11 @@ pub enum SlideSparseError {
         source: safetensors::SafeTensorError,
     },
 
+    /// An error of an earlier forward that burn's fusion backend executed after the call
+    /// that queued it had returned; that forward's output was set to NaN.
+    #[error("an earlier fused SlideSparse forward failed (its output was set to NaN): {0}")]
+    Deferred(Box<SlideSparseError>),
+
     /// A saved record that cannot be loaded into the model: unreadable, or of other layer
     /// kinds than the model's (a sparse record into a dense-built model).
     #[error("loading a record: {detail}")]

@@ -6,12 +6,17 @@
 // modules themselves are crate-private so that what a user sees is what we mean to keep
 // stable. The project's own tests, CLI and benchmarks reach further in through `internals`.
 
+mod autodiff;
 mod backend;
 mod checkpoint;
+#[cfg(feature = "cubecl")]
+mod cube;
 mod error;
 mod files;
 mod format;
 mod fp8;
+#[cfg(feature = "fusion")]
+mod fusion;
 mod masked;
 mod module;
 mod pack;
@@ -30,13 +35,18 @@ pub mod cuda;
 #[cfg(feature = "gguf")]
 pub mod gguf;
 
+pub use autodiff::AutodiffPrepared;
 pub use backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend};
 pub use checkpoint::{
     DEFAULT_EXCLUDE, DEFAULT_LAYER_FILTER, LayerSelection, PackProgress, PackReport, VerifyReport,
     pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
 };
+#[cfg(feature = "cubecl")]
+pub use cube::CubePrepared;
 pub use error::{Result, SlideSparseError};
 pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
+#[cfg(feature = "fusion")]
+pub use fusion::FusionPrepared;
 pub use masked::MaskedLinear;
 pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
 pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};

@@ -1075,3 +1075,297 @@ fn gated_forwards_are_bit_identical_and_a_sync_behind_the_gate_is_an_error() {
     );
     assert_eq!(&read(layer.forward(xs[0].clone())), &ungated[0]);
 }
+
+/// burn's fusion backend over burn-cuda: what `burn::backend::Cuda` is with burn's default
+/// features.
+type Fused = burn_fusion::Fusion<Gpu>;
+
+/// `layer(2 x) * 0.5` on the fusion backend, with fused element-wise kernels on both sides
+/// of the custom operation (8-bit quantization is per token, so scaling a token by 2 gives
+/// the same codes and exactly twice the scale).
+fn fused_forward(layer: &SlideSparseLinear<Fused>, x: &[f32], shape: [usize; 2]) -> Vec<f32> {
+    let x = on_gpu::<Fused, 2>(x.to_vec(), shape, DType::F32).mul_scalar(2.0);
+    layer
+        .try_forward(x)
+        .unwrap()
+        .mul_scalar(0.5)
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap()
+}
+
+/// The fusion backend runs the real pipeline (a custom operation among fused kernels) and
+/// matches the CPU reference for every pattern and precision; a wrong input width is an
+/// error when the forward is queued.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn fusion_backend_matches_the_reference_for_every_pattern_and_precision() {
+    use burn_slidesparse::{QuantizedLinear, SlideSparseError, internals::quant::quantize_weight};
+    let mut rng = rng(111);
+    let device = Default::default();
+    let mut report = Vec::new();
+    for pattern in [
+        SparsityPattern::P2_4,
+        SparsityPattern::P4_6,
+        SparsityPattern::P6_8,
+        SparsityPattern::P8_10,
+    ] {
+        for precision in [
+            Precision::Int8,
+            Precision::Fp8,
+            Precision::Bf16,
+            Precision::F16,
+        ] {
+            for (m, k, n) in [(1, 100, 50), (17, 576, 96), (300, 1000, 200)] {
+                let w = random_f32(&mut rng, n * k);
+                let b = random_f32(&mut rng, n);
+                let options = PackOptions::new(pattern, precision);
+                let (packed, _, _) = pack_linear("w", &w, n, k, Some(&b), &options).unwrap();
+                let x = random_f32(&mut rng, m * k);
+                let cpu = SlideSparseLinear::<Cpu>::from_packed(&packed, &Default::default());
+                let xc = Tensor::<Cpu, 2>::from_data(
+                    TensorData::new(x.clone(), [m, k]),
+                    &Default::default(),
+                );
+                let yc = cpu.forward(xc).into_data().into_vec::<f32>().unwrap();
+                let fused = SlideSparseLinear::<Fused>::from_packed(&packed, &device);
+                let yf = fused_forward(&fused, &x, [m, k]);
+                let err = rel_err(&yf, &yc);
+                report.push(format!(
+                    "fusion {pattern} {precision} m={m} k={k} n={n}: {err:.2e}"
+                ));
+                assert!(err < tolerance(precision), "{}", report.last().unwrap());
+            }
+        }
+    }
+    // The dense baseline as a module on the fusion backend, against the host W8A8.
+    let (m, k, n) = (37, 1000, 320);
+    let w = random_f32(&mut rng, n * k);
+    let b = random_f32(&mut rng, n);
+    let qw = quantize_weight(&w, n, k, Precision::Int8);
+    let layer = QuantizedLinear::<Fused>::from_quantized(&qw, Some(&b), &device);
+    let x = random_f32(&mut rng, m * k);
+    let y = layer
+        .try_forward(on_gpu::<Fused, 2>(x.clone(), [m, k], DType::F32))
+        .unwrap()
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap();
+    let expected = host_w8a8(&x, &qw, &b, (m, k, n), Precision::Int8);
+    let err = rel_err(&y, &expected);
+    report.push(format!("fusion dense int8: {err:.2e}"));
+    assert!(
+        err < tolerance(Precision::Int8),
+        "{}",
+        report.last().unwrap()
+    );
+    // A wrong width is refused when queued, not inside the fused execution.
+    let wrong = on_gpu::<Fused, 2>(random_f32(&mut rng, 3 * (k + 1)), [3, k + 1], DType::F32);
+    match layer.try_forward(wrong) {
+        Err(SlideSparseError::ShapeMismatch { .. }) => {}
+        other => panic!("expected a shape error, got {:?}", other.map(|t| t.dims())),
+    }
+    println!("{}", report.join("\n"));
+}
+
+/// On the fusion backend, a chain of layers queued with no synchronization (each reading the
+/// previous output through fused element-wise kernels) gives the same bits as with host
+/// synchronization around every GEMM, and the GEMMs ran on burn's stream.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
+    use burn_slidesparse::{
+        QuantizedLinear,
+        cuda::{
+            SyncMode,
+            state::{device_state, update_settings},
+        },
+        internals::quant::quantize_weight,
+    };
+    let _restore = DefaultOrderingOnDrop;
+    let device = Default::default();
+    let mut rng = rng(112);
+    let (m, d, h) = (77, 1024, 2048);
+    let up_w = random_f32(&mut rng, h * d);
+    let down_w = random_f32(&mut rng, d * h);
+    let pack = |w: &[f32], n, k, p| {
+        pack_linear("w", w, n, k, None, &PackOptions::new(p, Precision::Int8))
+            .unwrap()
+            .0
+    };
+    let up =
+        SlideSparseLinear::<Fused>::from_packed(&pack(&up_w, h, d, SparsityPattern::P6_8), &device);
+    let down = SlideSparseLinear::<Fused>::from_packed(
+        &pack(&down_w, d, h, SparsityPattern::P2_4),
+        &device,
+    );
+    let dense_up = QuantizedLinear::<Fused>::from_quantized(
+        &quantize_weight(&up_w, h, d, Precision::Int8),
+        None,
+        &device,
+    );
+    let x0 = random_f32(&mut rng, m * d);
+    let run = |mode| {
+        update_settings(0, |s| s.sync = mode).unwrap();
+        let mut x = on_gpu::<Fused, 2>(x0.clone(), [m, d], DType::F32);
+        let mut outputs = Vec::new();
+        for _ in 0..6 {
+            let (gain_up, gain_down) = ((d as f32 / 3.0).sqrt(), (h as f32 / 3.0).sqrt());
+            let y = up.forward(x.clone()).div_scalar(gain_up);
+            let z = dense_up.forward(x.clone()).div_scalar(gain_up);
+            let hidden = (y + z).div_scalar(2.0);
+            x = down.forward(hidden).div_scalar(gain_down);
+            outputs.push(x.clone());
+        }
+        outputs
+            .into_iter()
+            .map(|y| y.into_data().convert::<f32>().into_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let host = run(SyncMode::Host);
+    let stream = run(SyncMode::Stream);
+    let client = CudaRuntime::client(&device);
+    let state = device_state(0).unwrap();
+    let (used, why) = state
+        .lock()
+        .unwrap()
+        .lanes
+        .current()
+        .unwrap()
+        .ordering(&client, SyncMode::Stream);
+    assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
+    for (i, (h, s)) in host.iter().zip(&stream).enumerate() {
+        assert!(
+            h.iter().all(|v| v.is_finite()),
+            "step {i}: non-finite values"
+        );
+        assert!(h.iter().any(|v| *v != 0.0), "step {i}: all zero");
+        assert_eq!(
+            h, s,
+            "step {i}: fusion stream ordering differs from host sync"
+        );
+    }
+    println!("fusion ordering: 6 chained steps (3 GEMMs each) bit-identical to host sync");
+}
+
+/// Decode-sized forwards on the fusion backend replay their GEMMs from CUDA graphs (queued
+/// launches) with the same bits as direct library calls.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn fusion_decode_graph_replay_is_bit_identical_to_direct_calls() {
+    use burn_slidesparse::cuda::{
+        GraphMode, SyncMode,
+        state::{device_state, update_settings},
+    };
+    let _restore = DefaultOrderingOnDrop;
+    let device = Default::default();
+    let mut rng = rng(113);
+    let (k, n) = (2048, 1536);
+    let w = random_f32(&mut rng, n * k);
+    let (packed, _, _) = pack_linear(
+        "w",
+        &w,
+        n,
+        k,
+        None,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+    )
+    .unwrap();
+    let layer = SlideSparseLinear::<Fused>::from_packed(&packed, &device);
+    let ms = [1, 5, 16, 33, 64, 1, 64, 16];
+    let inputs: Vec<Vec<f32>> = ms.iter().map(|&m| random_f32(&mut rng, m * k)).collect();
+    let run = |graphs| {
+        update_settings(0, |s| {
+            s.sync = SyncMode::Stream;
+            s.graphs = graphs;
+        })
+        .unwrap();
+        let ys: Vec<_> = ms
+            .iter()
+            .zip(&inputs)
+            .flat_map(|(&m, x)| {
+                (0..2).map(move |_| on_gpu::<Fused, 2>(x.clone(), [m, k], DType::F32))
+            })
+            .map(|x| layer.forward(x).add_scalar(0.0))
+            .collect();
+        ys.into_iter()
+            .map(|y| y.into_data().convert::<f32>().into_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let direct = run(GraphMode::Off);
+    let queued = run(GraphMode::Queued);
+    assert_eq!(direct, queued, "replayed forwards differ from direct calls");
+    let state = device_state(0).unwrap();
+    let mut state = state.lock().unwrap();
+    let graphs = &state.lanes.current().unwrap().graphs;
+    assert_eq!(graphs.last_failure(), None, "a GEMM capture failed");
+    let captured = graphs.captured();
+    drop(state);
+    assert!(
+        captured >= 3,
+        "only {captured} graphs captured on the fusion backend's lane"
+    );
+    println!(
+        "fusion decode: {} forwards bit-identical with queued graph replays, {captured} graphs",
+        direct.len()
+    );
+}
+
+/// Under autodiff, a forward that needs no gradient runs the native pipeline (bit-identical
+/// to the plain backend), and one whose input needs a gradient runs the differentiable
+/// reference path and gives the input a gradient.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn autodiff_runs_the_native_pipeline_where_no_gradient_is_needed() {
+    type Ad = burn::backend::Autodiff<Fused>;
+    let device = Default::default();
+    let mut rng = rng(114);
+    let (m, k, n) = (40, 1024, 512);
+    let w = random_f32(&mut rng, n * k);
+    let (packed, _, _) = pack_linear(
+        "w",
+        &w,
+        n,
+        k,
+        None,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+    )
+    .unwrap();
+    let x = random_f32(&mut rng, m * k);
+    let plain = SlideSparseLinear::<Fused>::from_packed(&packed, &device);
+    let expected = plain
+        .forward(on_gpu::<Fused, 2>(x.clone(), [m, k], DType::F32))
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap();
+    let layer = SlideSparseLinear::<Ad>::from_packed(&packed, &device);
+    let no_grad = layer
+        .forward(on_gpu::<Ad, 2>(x.clone(), [m, k], DType::F32))
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap();
+    assert_eq!(
+        no_grad, expected,
+        "inference under autodiff is not the native pipeline"
+    );
+    let xg = on_gpu::<Ad, 2>(x.clone(), [m, k], DType::F32).require_grad();
+    let y = layer.forward(xg.clone());
+    let yv = y
+        .clone()
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap();
+    assert!(rel_err(&yv, &expected) < tolerance(Precision::Int8));
+    let grads = y.sum().backward();
+    let gx = xg.grad(&grads).expect("the input has a gradient");
+    assert_eq!(gx.dims(), [m, k]);
+    println!(
+        "autodiff: no-grad forward bit-identical to the native pipeline; grad path {:.2e}",
+        rel_err(&yv, &expected)
+    );
+}

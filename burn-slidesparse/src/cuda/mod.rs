@@ -1,6 +1,6 @@
-//! The CUDA path (feature `cuda`): the `SlideSparseBackend` implementation for burn-cuda's
-//! `CubeBackend`, with cuSPARSELt (and cuBLASLt for the dense baseline) ordered on burn's
-//! own stream.
+//! The CUDA path (feature `cuda`): the pipeline that `SlideSparseBackend` runs for burn-cuda's
+//! `CubeBackend` (chosen in `cube.rs` from the runtime's type), with cuSPARSELt (and
+//! cuBLASLt for the dense baseline) ordered on burn's own stream.
 //!
 //! Layers, bottom to top; a module imports only from layers below it:
 //!
@@ -15,7 +15,7 @@
 //! 4. `state` (per-device state), `memory` (allocations checked against free memory);
 //! 5. `gemm` (the two library GEMMs behind one trait), `pipeline` (the one forward:
 //!    quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once);
-//! 6. `backend` (the burn backend impl), and the benchmark tool `gate`.
+//! 6. the benchmark tool `gate`.
 
 /// Declares modules that are private, or public (doc-hidden) with the `internals` feature
 /// that the project's own GPU tests and benchmarks use.
@@ -26,7 +26,7 @@ macro_rules! internal_modules {
         pub mod $name;
         #[cfg(not(feature = "internals"))]
         #[allow(dead_code)]
-        mod $name;
+        pub(crate) mod $name;
     )*};
 }
 
@@ -35,7 +35,6 @@ pub mod config;
 internal_modules!(
     accumulator,
     algo_cache,
-    backend,
     buffers,
     cublaslt,
     cupti,
@@ -55,7 +54,12 @@ internal_modules!(
     state,
 );
 
-pub use backend::{CudaPrepared, DenseLayerGpu};
+/// A SlideSparse layer prepared on the GPU (cuSPARSELt's compressed weight).
+pub type CudaPrepared = pipeline::GpuLayer<gemm::SparseGemm>;
+
+/// A dense quantized baseline layer prepared on the GPU (cuBLASLt).
+pub type DenseLayerGpu = pipeline::GpuLayer<gemm::DenseGemm>;
+
 pub use config::{Config, GraphMode, Settings, SyncMode};
 pub use driver::cuda_driver_present;
 

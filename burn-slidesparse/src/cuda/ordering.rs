@@ -14,15 +14,16 @@
 //! - [`SyncMode::Host`]: `client.sync()` before the GEMM on the lane's stream and
 //!   `cuStreamSynchronize` after. Correct anywhere, ~0.1 ms per layer at decode.
 //!
-//! Each burn thread gets its own lane (stream, workspace, kept buffers, graphs), because each
-//! burn thread has its own cubecl stream.
+//! Each cubecl stream gets its own lane (our stream, workspace, kept buffers, graphs). cubecl
+//! keys its streams by [`StreamId`]: the calling thread's by default, or the one a caller
+//! set for a piece of work (burn's fusion backend runs each queued operation under the
+//! `StreamId` of the thread that queued it, possibly on another thread). Lanes are keyed
+//! the same way, so a forward run by fusion finds the lane, kept buffers and graphs of the
+//! stream its kernels go to, whichever thread executes it.
 
-use std::{
-    collections::{HashMap, hash_map::Entry},
-    thread::ThreadId,
-};
+use std::collections::{HashMap, hash_map::Entry};
 
-use cubecl::{CubeCount, CubeDim, prelude::*};
+use cubecl::{CubeCount, CubeDim, prelude::*, stream_id::StreamId};
 use cubecl_kernels::stream_sync::signal_kernel;
 use cudarc::driver::sys;
 
@@ -99,10 +100,10 @@ impl Lane {
     }
 }
 
-/// The lanes of one device, by burn thread.
+/// The lanes of one device, by cubecl stream.
 pub struct Lanes {
     device_index: usize,
-    lanes: HashMap<ThreadId, Lane>,
+    lanes: HashMap<StreamId, Lane>,
 }
 
 impl Lanes {
@@ -114,9 +115,9 @@ impl Lanes {
         }
     }
 
-    /// This thread's lane, created on first use.
+    /// The lane of the current cubecl stream, created on first use.
     pub fn current(&mut self) -> Result<&mut Lane> {
-        match self.lanes.entry(std::thread::current().id()) {
+        match self.lanes.entry(StreamId::current()) {
             Entry::Occupied(lane) => Ok(lane.into_mut()),
             Entry::Vacant(slot) => Ok(slot.insert(Lane::new(self.device_index)?)),
         }

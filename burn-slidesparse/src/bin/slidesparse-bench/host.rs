@@ -79,6 +79,7 @@ pub fn host_bench(args: &Args) {
             pack_linear("w", &w, n, k, None, &PackOptions::new(pattern, precision)).expect("pack");
         let sparse = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
         let prepared = sparse.prepared().expect("prepare");
+        let prepared = prepared.native().expect("a CUDA layer");
         let bf16_linear = LinearConfig::new(k, n)
             .with_bias(false)
             .init::<Gpu>(&device);

@@ -253,7 +253,7 @@ fn results_json(
 
 /// Median per-forward wall milliseconds of `f` run back to back, `reps` calls per batch with
 /// one device sync per batch (how a model decodes: layer after layer, no sync between them).
-fn back_to_back_ms<B: Backend>(
+pub(crate) fn back_to_back_ms<B: Backend>(
     device: &burn::tensor::Device<B>,
     reps: usize,
     mut f: impl FnMut(usize),

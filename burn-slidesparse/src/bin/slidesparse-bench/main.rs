@@ -25,6 +25,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
 mod decode;
+mod fusion;
 mod host;
 mod layer;
 mod quant;
@@ -34,7 +35,8 @@ struct Args {
     /// `gemm` (GEMM only, sparse vs dense), `layer` (whole layers and their stages),
     /// `quant` (the quant+lift kernel's layouts alone, each checked against the row-staged
     /// kernel's codes), `host` (the host cost of each piece of a decode forward) or `decode`
-    /// (a whole block at decode sizes: wall time and device time with the host taken out).
+    /// (a whole block at decode sizes: wall time and device time with the host taken out) or
+    /// `fusion` (whole layers on burn's fusion backend against the plain backend).
     mode: String,
     #[arg(long, default_value = "16,256,1024,4096,16384")]
     m: String,
@@ -208,7 +210,8 @@ fn main() {
         "quant" => quant::quant_bench(&args),
         "host" => host::host_bench(&args),
         "decode" => decode::decode_bench(&args),
-        other => panic!("unknown mode {other}: gemm, layer, quant, host or decode"),
+        "fusion" => fusion::fusion_bench(&args),
+        other => panic!("unknown mode {other}: gemm, layer, quant, host, decode or fusion"),
     }
 }
 

@@ -1,0 +1,219 @@
+//! `SlideSparseBackend` for burn's fusion backend, `Fusion<B>`, over any inner backend `B`
+//! that has one: `burn::backend::Cuda` (fusion over burn-cuda, burn's default CUDA backend)
+//! runs the inner backend's real pipeline.
+//!
+//! Preparation runs once, eagerly, on the inner backend (the weights go through the host,
+//! which preparation reads anyway). A forward is registered with fusion as a custom
+//! operation (`OperationIr::Custom`): fusion executes it in stream order among the fused
+//! kernels around it, under the `StreamId` of the thread that queued it (possibly on another
+//! thread), and the inner backend's forward then runs on the inner tensors there. The CUDA
+//! path keys its per-stream state (lanes, kept buffers, graphs) by that `StreamId`, so the
+//! GEMM joins the same stream as the fused kernels, with no host synchronization.
+//!
+//! Errors: a wrong input width is found when the forward is queued and returned at once. An
+//! error inside the execution cannot reach the caller from there: the output is filled with
+//! NaN (never a stale or partial result) and the error is kept; the next SlideSparse forward
+//! on a fusion backend (any layer, any thread) returns it as
+//! [`SlideSparseError::Deferred`].
+
+use std::sync::Mutex;
+
+use burn::tensor::{Shape, Tensor, TensorData, TensorPrimitive, backend::Backend};
+use burn_fusion::{
+    Fusion, FusionBackend,
+    stream::{Operation, OperationStreams},
+};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+use crate::{
+    backend::{DenseTensors, PackedTensors, SlideSparseBackend},
+    error::{Result, SlideSparseError},
+};
+
+/// The first error of a fused execution not yet reported.
+static DEFERRED: Mutex<Option<SlideSparseError>> = Mutex::new(None);
+
+fn keep_error(error: SlideSparseError) {
+    let mut slot = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
+    slot.get_or_insert(error);
+}
+
+/// Returns the error a fused execution kept, if any (once).
+fn take_deferred() -> Result<()> {
+    match DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        None => Ok(()),
+        Some(error) => Err(SlideSparseError::Deferred(Box::new(error))),
+    }
+}
+
+/// A layer prepared on the inner backend, with the widths a forward is checked against
+/// when it is queued.
+#[derive(Clone, Debug)]
+pub struct FusionPrepared<P> {
+    inner: P,
+    in_features: usize,
+    out_features: usize,
+}
+
+/// A fusion tensor as the same values on the inner backend (through the host: only for
+/// preparation, which runs once).
+fn to_inner<B: FusionBackend, const D: usize>(t: Tensor<Fusion<B>, D>) -> Tensor<B, D> {
+    let device = t.device();
+    let data: TensorData = t.into_data();
+    Tensor::from_data(data, &device)
+}
+
+/// Which inner forward a queued operation runs.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Sparse,
+    Dense,
+}
+
+/// The custom operation: `out = forward(x)` on the inner backend.
+#[derive(Debug)]
+struct ForwardOp<B: SlideSparseBackend> {
+    x: TensorIr,
+    out: TensorIr,
+    kind: Kind,
+    sparse: Option<B::Prepared>,
+    dense: Option<B::DensePrepared>,
+}
+
+impl<B: FusionBackend + SlideSparseBackend> ForwardOp<B> {
+    fn run(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        match self.kind {
+            Kind::Sparse => B::slidesparse_forward(x, self.sparse.as_ref().expect("sparse op")),
+            Kind::Dense => B::dense_forward(x, self.dense.as_ref().expect("dense op")),
+        }
+    }
+}
+
+impl<B: FusionBackend + SlideSparseBackend> Operation<B::FusionRuntime> for ForwardOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<B::Handle>) {
+        let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(
+            handles.get_float_tensor::<B>(&self.x),
+        ));
+        let device = x.device();
+        let y = match self.run(x) {
+            Ok(y) if y.dims() == [self.out.shape[0], self.out.shape[1]] => y,
+            Ok(y) => {
+                keep_error(SlideSparseError::shape(
+                    "fused SlideSparse forward output",
+                    [self.out.shape[0], self.out.shape[1]],
+                    y.dims(),
+                ));
+                nan_output(&self.out, &device)
+            }
+            Err(error) => {
+                keep_error(error);
+                nan_output(&self.out, &device)
+            }
+        };
+        handles.register_float_tensor::<B>(&self.out.id, y.into_primitive().tensor());
+    }
+}
+
+/// The output of a failed execution: NaN everywhere, so nothing downstream is silently wrong.
+fn nan_output<B: Backend>(out: &TensorIr, device: &B::Device) -> Tensor<B, 2> {
+    Tensor::<B, 2>::full([out.shape[0], out.shape[1]], f32::NAN, device).cast(out.dtype)
+}
+
+/// Queues `op` for `x` (`[m, in_features]`) with an `[m, out_features]` output.
+fn queue<B: FusionBackend + SlideSparseBackend>(
+    x: Tensor<Fusion<B>, 2>,
+    (in_features, out_features): (usize, usize),
+    make: impl FnOnce(TensorIr, TensorIr) -> ForwardOp<B>,
+) -> Result<Tensor<Fusion<B>, 2>> {
+    take_deferred()?;
+    let [m, k] = x.dims();
+    if k != in_features {
+        return Err(SlideSparseError::shape(
+            "SlideSparse layer input width",
+            in_features,
+            k,
+        ));
+    }
+    let x = x.into_primitive().tensor();
+    let streams = OperationStreams::with_inputs([&x]);
+    let client = x.client.clone();
+    let x = x.into_ir();
+    let out = TensorIr::uninit(
+        client.create_empty_handle(),
+        Shape::new([m, out_features]),
+        x.dtype,
+    );
+    let ir = CustomOpIr::new(
+        "slidesparse_forward",
+        std::slice::from_ref(&x),
+        std::slice::from_ref(&out),
+    );
+    let y = client
+        .register(streams, OperationIr::Custom(ir), make(x, out))
+        .output();
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+}
+
+impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
+    type Prepared = FusionPrepared<B::Prepared>;
+
+    fn slidesparse_prepare(weights: PackedTensors<Self>) -> Result<Self::Prepared> {
+        let spec = weights.spec;
+        let inner = B::slidesparse_prepare(PackedTensors {
+            spec,
+            weight: to_inner(weights.weight),
+            scale: to_inner(weights.scale),
+            bias: weights.bias.map(to_inner),
+        })?;
+        Ok(FusionPrepared {
+            inner,
+            in_features: spec.in_features,
+            out_features: spec.out_features,
+        })
+    }
+
+    fn slidesparse_forward(
+        x: Tensor<Self, 2>,
+        prepared: &Self::Prepared,
+    ) -> Result<Tensor<Self, 2>> {
+        let widths = (prepared.in_features, prepared.out_features);
+        queue(x, widths, |x, out| ForwardOp {
+            x,
+            out,
+            kind: Kind::Sparse,
+            sparse: Some(prepared.inner.clone()),
+            dense: None,
+        })
+    }
+
+    type DensePrepared = FusionPrepared<B::DensePrepared>;
+
+    fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared> {
+        let [out_features, in_features] = weights.weight.dims();
+        let inner = B::dense_prepare(DenseTensors {
+            precision: weights.precision,
+            weight: to_inner(weights.weight),
+            scale: to_inner(weights.scale),
+            bias: weights.bias.map(to_inner),
+        })?;
+        Ok(FusionPrepared {
+            inner,
+            in_features,
+            out_features,
+        })
+    }
+
+    fn dense_forward(
+        x: Tensor<Self, 2>,
+        prepared: &Self::DensePrepared,
+    ) -> Result<Tensor<Self, 2>> {
+        let widths = (prepared.in_features, prepared.out_features);
+        queue(x, widths, |x, out| ForwardOp {
+            x,
+            out,
+            kind: Kind::Dense,
+            sparse: None,
+            dense: Some(prepared.inner.clone()),
+        })
+    }
+}
