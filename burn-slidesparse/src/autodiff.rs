@@ -43,6 +43,17 @@ impl<A: AutodiffBackend, W: Clone, P: Clone> AutodiffPrepared<A, W, P> {
     }
 }
 
+/// Whether `x` is in the autodiff graph: a leaf that requires a gradient, or computed from
+/// one (`Tensor::is_require_grad` is true for the leaves only).
+fn is_tracked<B: SlideSparseBackend>(x: &Tensor<Autodiff<B>, 2>) -> bool {
+    !x.clone()
+        .into_primitive()
+        .tensor()
+        .node
+        .requirement
+        .is_none()
+}
+
 fn inner_packed<B: SlideSparseBackend>(w: &PackedTensors<Autodiff<B>>) -> PackedTensors<B> {
     PackedTensors {
         spec: w.spec,
@@ -76,7 +87,7 @@ impl<B: SlideSparseBackend> SlideSparseBackend for Autodiff<B> {
         x: Tensor<Self, 2>,
         prepared: &Self::Prepared,
     ) -> Result<Tensor<Self, 2>> {
-        if x.is_require_grad() {
+        if is_tracked(&x) {
             return Ok(reference::forward(x, &prepared.reference));
         }
         let inner = prepared.inner(B::slidesparse_prepare)?;
@@ -100,7 +111,7 @@ impl<B: SlideSparseBackend> SlideSparseBackend for Autodiff<B> {
         x: Tensor<Self, 2>,
         prepared: &Self::DensePrepared,
     ) -> Result<Tensor<Self, 2>> {
-        if x.is_require_grad() {
+        if is_tracked(&x) {
             return Ok(reference::forward(x, &prepared.reference));
         }
         let inner = prepared.inner(B::dense_prepare)?;

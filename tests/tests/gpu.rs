@@ -1080,9 +1080,8 @@ fn gated_forwards_are_bit_identical_and_a_sync_behind_the_gate_is_an_error() {
 /// features.
 type Fused = burn_fusion::Fusion<Gpu>;
 
-/// `layer(2 x) * 0.5` on the fusion backend, with fused element-wise kernels on both sides
-/// of the custom operation (8-bit quantization is per token, so scaling a token by 2 gives
-/// the same codes and exactly twice the scale).
+/// `layer(2 x) * 0.5` on the fusion backend: fused element-wise kernels on both sides of the
+/// custom operation.
 fn fused_forward(layer: &SlideSparseLinear<Fused>, x: &[f32], shape: [usize; 2]) -> Vec<f32> {
     let x = on_gpu::<Fused, 2>(x.to_vec(), shape, DType::F32).mul_scalar(2.0);
     layer
@@ -1128,7 +1127,13 @@ fn fusion_backend_matches_the_reference_for_every_pattern_and_precision() {
                     TensorData::new(x.clone(), [m, k]),
                     &Default::default(),
                 );
-                let yc = cpu.forward(xc).into_data().into_vec::<f32>().unwrap();
+                // The same element-wise steps as `fused_forward`, on the reference.
+                let yc = cpu
+                    .forward(xc.mul_scalar(2.0))
+                    .mul_scalar(0.5)
+                    .into_data()
+                    .into_vec::<f32>()
+                    .unwrap();
                 let fused = SlideSparseLinear::<Fused>::from_packed(&packed, &device);
                 let yf = fused_forward(&fused, &x, [m, k]);
                 let err = rel_err(&yf, &yc);
