@@ -1,5 +1,6 @@
 //! A strict GGUF (v2/v3) reader: metadata, tensor directory, and F32 / F16 / BF16 / Q8_0 /
-//! Q4_0 / Q4_1 tensors dequantized to f32. Every count, length and offset is checked against
+//! Q4_0 / Q4_1 / Q5_0 / Q5_1 and the k-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / Q8_K tensors
+//! dequantized to f32 (each tensor may have its own type, as in a `Q4_K_M` file). Every count, length and offset is checked against
 //! the bytes actually present before it is used, so a malformed file is an error, never a
 //! panic or an allocation sized by a header value.
 
@@ -13,6 +14,8 @@ const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
 /// Most dimensions a GGUF tensor may have (ggml's limit).
 const MAX_DIMS: u32 = 4;
+/// Values per k-quant super-block.
+const QK_K: usize = 256;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -90,8 +93,24 @@ pub enum GgmlType {
     Q4_0,
     /// 4-bit blocks of 32 with an f16 scale and minimum.
     Q4_1,
+    /// 5-bit blocks of 32 with one f16 scale.
+    Q5_0,
+    /// 5-bit blocks of 32 with an f16 scale and minimum.
+    Q5_1,
     /// 8-bit blocks of 32 with one f16 scale.
     Q8_0,
+    /// 2-bit super-blocks of 256: 16 sub-blocks with 4-bit scales and minimums.
+    Q2K,
+    /// 3-bit super-blocks of 256: 16 sub-blocks with 6-bit signed scales.
+    Q3K,
+    /// 4-bit super-blocks of 256: 8 sub-blocks with 6-bit scales and minimums.
+    Q4K,
+    /// 5-bit super-blocks of 256: 8 sub-blocks with 6-bit scales and minimums.
+    Q5K,
+    /// 6-bit super-blocks of 256: 16 sub-blocks with 8-bit signed scales.
+    Q6K,
+    /// 8-bit super-blocks of 256 with one f32 scale.
+    Q8K,
     /// bfloat16.
     Bf16,
     /// Any other ggml type: listed, but reading it is an error.
@@ -105,7 +124,15 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
+            10 => GgmlType::Q2K,
+            11 => GgmlType::Q3K,
+            12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
+            14 => GgmlType::Q6K,
+            15 => GgmlType::Q8K,
             30 => GgmlType::Bf16,
             other => GgmlType::Other(other),
         }
@@ -118,7 +145,15 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::Bf16 => Some((1, 2)),
             GgmlType::Q4_0 => Some((32, 18)),
             GgmlType::Q4_1 => Some((32, 20)),
+            GgmlType::Q5_0 => Some((32, 22)),
+            GgmlType::Q5_1 => Some((32, 24)),
             GgmlType::Q8_0 => Some((32, 34)),
+            GgmlType::Q2K => Some((QK_K, 84)),
+            GgmlType::Q3K => Some((QK_K, 110)),
+            GgmlType::Q4K => Some((QK_K, 144)),
+            GgmlType::Q5K => Some((QK_K, 176)),
+            GgmlType::Q6K => Some((QK_K, 210)),
+            GgmlType::Q8K => Some((QK_K, 292)),
             GgmlType::Other(_) => None,
         }
     }
@@ -389,40 +424,67 @@ impl<'a> GgufFile<'a> {
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
                 .collect(),
-            GgmlType::F16 => data
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            GgmlType::F16 => data.chunks_exact(2).map(|c| f16_at(c, 0)).collect(),
             GgmlType::Bf16 => data
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            GgmlType::Q8_0 => dequantize_blocks(data, 34, |b, out| {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            GgmlType::Q8_0 => dequantize_blocks(data, 34, 32, |b, out| {
+                let d = f16_at(b, 0);
                 for (o, &q) in out.iter_mut().zip(&b[2..34]) {
                     *o = d * q as i8 as f32;
                 }
             }),
-            GgmlType::Q4_0 => dequantize_blocks(data, 18, |b, out| {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            GgmlType::Q4_0 => dequantize_blocks(data, 18, 32, |b, out| {
+                let d = f16_at(b, 0);
                 for (j, &q) in b[2..18].iter().enumerate() {
                     out[j] = d * ((q & 0x0F) as f32 - 8.0);
                     out[j + 16] = d * ((q >> 4) as f32 - 8.0);
                 }
             }),
-            GgmlType::Q4_1 => dequantize_blocks(data, 20, |b, out| {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                let m = f16::from_le_bytes([b[2], b[3]]).to_f32();
+            GgmlType::Q4_1 => dequantize_blocks(data, 20, 32, |b, out| {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
                 for (j, &q) in b[4..20].iter().enumerate() {
                     out[j] = d * (q & 0x0F) as f32 + m;
                     out[j + 16] = d * (q >> 4) as f32 + m;
+                }
+            }),
+            GgmlType::Q5_0 => dequantize_blocks(data, 22, 32, |b, out| {
+                let d = f16_at(b, 0);
+                let high = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for (j, &q) in b[6..22].iter().enumerate() {
+                    let (lo, hi) = q5_codes(q, high, j);
+                    out[j] = d * (lo as f32 - 16.0);
+                    out[j + 16] = d * (hi as f32 - 16.0);
+                }
+            }),
+            GgmlType::Q5_1 => dequantize_blocks(data, 24, 32, |b, out| {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                let high = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                for (j, &q) in b[8..24].iter().enumerate() {
+                    let (lo, hi) = q5_codes(q, high, j);
+                    out[j] = d * lo as f32 + m;
+                    out[j + 16] = d * hi as f32 + m;
+                }
+            }),
+            GgmlType::Q2K => dequantize_blocks(data, 84, QK_K, dequantize_q2_k),
+            GgmlType::Q3K => dequantize_blocks(data, 110, QK_K, dequantize_q3_k),
+            GgmlType::Q4K => dequantize_blocks(data, 144, QK_K, dequantize_q4_k),
+            GgmlType::Q5K => dequantize_blocks(data, 176, QK_K, dequantize_q5_k),
+            GgmlType::Q6K => dequantize_blocks(data, 210, QK_K, dequantize_q6_k),
+            GgmlType::Q8K => dequantize_blocks(data, 292, QK_K, |b, out| {
+                // An f32 scale (not f16, unlike the other types), 256 codes, then 16 sums
+                // of the codes that only matter to ggml's dot products.
+                let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                for (o, &q) in out.iter_mut().zip(&b[4..4 + QK_K]) {
+                    *o = d * q as i8 as f32;
                 }
             }),
             GgmlType::Other(id) => {
                 return Err(SlideSparseError::UnsupportedDtype {
                     name: name.to_string(),
                     dtype: format!("ggml type {id}"),
-                    context: "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1".into(),
+                    context: SUPPORTED_TYPES.into(),
                 });
             }
         };
@@ -430,15 +492,143 @@ impl<'a> GgufFile<'a> {
     }
 }
 
-/// Dequantizes 32-element blocks of `block_bytes` each.
+/// The tensor types [`GgufFile::tensor_f32`] reads, for error messages.
+pub const SUPPORTED_TYPES: &str =
+    "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K";
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The two 5-bit codes of byte `j` of a Q5_0 / Q5_1 block: its low nibble (element `j`) and
+/// high nibble (element `j + 16`), each with its fifth bit from the 32-bit `high` mask (bit
+/// `j` for element `j`, bit `j + 16` for element `j + 16`).
+fn q5_codes(q: u8, high: u32, j: usize) -> (u8, u8) {
+    let lo = (q & 0x0F) | ((((high >> j) & 1) as u8) << 4);
+    let hi = (q >> 4) | ((((high >> (j + 16)) & 1) as u8) << 4);
+    (lo, hi)
+}
+
+/// Q2_K: 16 bytes of sub-block scales (low nibble: scale, high nibble: minimum, each times the
+/// f16 super-scales `d` / `dmin` at bytes 80 / 82), then 64 bytes of 2-bit codes. The 256
+/// values are two halves of 128; in half `n`, the four 32-value runs `j` take bits `2j..2j+2`
+/// of code bytes `32n..32n+32`, and each 16 values have their own sub-block (`8n + 2j` and
+/// `8n + 2j + 1`). Value = `d * scale * code - dmin * min`.
+fn dequantize_q2_k(b: &[u8], out: &mut [f32]) {
+    let (scales, codes) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (i, o) in out.iter_mut().enumerate() {
+        let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        let sub = scales[8 * n + 2 * j + l / 16];
+        let code = (codes[32 * n + l] >> (2 * j)) & 3;
+        *o = d * (sub & 0x0F) as f32 * code as f32 - dmin * (sub >> 4) as f32;
+    }
+}
+
+/// Q3_K: a 32-byte high-bit mask, 64 bytes of 2-bit low codes (laid out as in Q2_K), 12
+/// bytes holding sixteen 6-bit scales, and the f16 super-scale at byte 108. Scale `s`: low 4
+/// bits are the low nibble of byte `s` (s < 8) or the high nibble of byte `s - 8`; its top 2
+/// bits are bits `2 * (s / 4)..` of byte `8 + s % 4`; it is stored offset by 32. The high
+/// bit of value `i` (run `r = i / 32` of 8, position `l`) is bit `r` of mask byte `l`; when
+/// it is clear, 4 is subtracted from the 2-bit code. Value = `d * (scale - 32) * code`.
+fn dequantize_q3_k(b: &[u8], out: &mut [f32]) {
+    let (mask, codes, packed) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = f16_at(b, 108);
+    let scales: [f32; 16] = std::array::from_fn(|s| {
+        let low = if s < 8 {
+            packed[s] & 0x0F
+        } else {
+            packed[s - 8] >> 4
+        };
+        let high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+        ((low | (high << 4)) as i32 - 32) as f32
+    });
+    for (i, o) in out.iter_mut().enumerate() {
+        let (n, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        let low = ((codes[32 * n + l] >> (2 * j)) & 3) as i32;
+        let high_set = mask[l] & (1 << (i / 32)) != 0;
+        let code = low - if high_set { 0 } else { 4 };
+        *o = d * scales[8 * n + 2 * j + l / 16] * code as f32;
+    }
+}
+
+/// The 6-bit scale and minimum of sub-block `s` (0..8) from the 12 packed bytes of Q4_K /
+/// Q5_K: for s < 4 the low 6 bits of byte `s` (scale) and of byte `s + 4` (minimum); for
+/// s >= 4 a nibble of byte `s + 4` (low: scale, high: minimum) below the top 2 bits of byte
+/// `s - 4` (scale) or of byte `s` (minimum).
+fn scale_min_k4(packed: &[u8], s: usize) -> (f32, f32) {
+    let (scale, min) = if s < 4 {
+        (packed[s] & 63, packed[s + 4] & 63)
+    } else {
+        (
+            (packed[s + 4] & 0x0F) | ((packed[s - 4] >> 6) << 4),
+            (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4),
+        )
+    };
+    (scale as f32, min as f32)
+}
+
+/// Q4_K: f16 `d` and `dmin`, 12 bytes of packed 6-bit scales / minimums (eight sub-blocks
+/// of 32), then 128 bytes of 4-bit codes: each 64 values `c` take code bytes `32c..32c+32`,
+/// low nibbles for the first 32 (sub-block `2c`), high nibbles for the next 32 (`2c + 1`).
+/// Value = `d * scale * code - dmin * min`.
+fn dequantize_q4_k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (packed, codes) = (&b[4..16], &b[16..144]);
+    let scale_min: [(f32, f32); 8] = std::array::from_fn(|s| scale_min_k4(packed, s));
+    for (i, o) in out.iter_mut().enumerate() {
+        let (sub, l) = (i / 32, i % 32);
+        let byte = codes[32 * (sub / 2) + l];
+        let code = if sub % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+        let (scale, min) = scale_min[sub];
+        *o = d * scale * code as f32 - dmin * min;
+    }
+}
+
+/// Q5_K: as Q4_K, with 32 bytes of fifth bits (`qh`) between the scales and the 4-bit codes:
+/// value `i` of sub-block `sub` (position `l`) takes bit `sub` of byte `l`.
+fn dequantize_q5_k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (packed, high, codes) = (&b[4..16], &b[16..48], &b[48..176]);
+    let scale_min: [(f32, f32); 8] = std::array::from_fn(|s| scale_min_k4(packed, s));
+    for (i, o) in out.iter_mut().enumerate() {
+        let (sub, l) = (i / 32, i % 32);
+        let byte = codes[32 * (sub / 2) + l];
+        let low = if sub % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+        let code = low | (((high[l] >> sub) & 1) << 4);
+        let (scale, min) = scale_min[sub];
+        *o = d * scale * code as f32 - dmin * min;
+    }
+}
+
+/// Q6_K: 128 bytes of low nibbles (`ql`), 64 bytes of 2-bit high parts (`qh`), sixteen
+/// signed 8-bit scales (one per 16 values), the f16 super-scale at byte 208. In half `n` of
+/// 128 values, quarter `q` (32 values, position `l`) takes the low (q = 0, 1) or high
+/// (q = 2, 3) nibble of `ql[64n + 32 * (q % 2) + l]` and bits `2q..2q+2` of `qh[32n + l]`;
+/// the 6-bit code is stored offset by 32. Value = `d * scale * (code - 32)`.
+fn dequantize_q6_k(b: &[u8], out: &mut [f32]) {
+    let (low, high, scales) = (&b[0..128], &b[128..192], &b[192..208]);
+    let d = f16_at(b, 208);
+    for (i, o) in out.iter_mut().enumerate() {
+        let (n, q, l) = (i / 128, (i % 128) / 32, i % 32);
+        let byte = low[64 * n + 32 * (q % 2) + l];
+        let nibble = if q < 2 { byte & 0x0F } else { byte >> 4 };
+        let code = (nibble | (((high[32 * n + l] >> (2 * q)) & 3) << 4)) as i32 - 32;
+        let scale = scales[i / 16] as i8;
+        *o = d * scale as f32 * code as f32;
+    }
+}
+
+/// Dequantizes blocks of `per_block` values stored in `block_bytes` each, in parallel.
 fn dequantize_blocks(
     data: &[u8],
     block_bytes: usize,
+    per_block: usize,
     block: impl Fn(&[u8], &mut [f32]) + Sync,
 ) -> Vec<f32> {
     use rayon::prelude::*;
-    let mut out = vec![0f32; data.len() / block_bytes * 32];
-    out.par_chunks_mut(32)
+    let mut out = vec![0f32; data.len() / block_bytes * per_block];
+    out.par_chunks_mut(per_block)
         .zip(data.par_chunks_exact(block_bytes))
         .for_each(|(o, b)| block(b, o));
     out

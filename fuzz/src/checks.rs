@@ -47,11 +47,20 @@ pub fn checkpoint(data: &[u8]) {
     }
 }
 
-/// The GGUF reader returns an error, or a file whose every tensor dequantizes or errors.
+/// The GGUF reader returns an error, or a file whose every tensor dequantizes (to exactly
+/// its element count, for every block type including the k-quants) or errors.
 pub fn gguf(data: &[u8]) {
     if let Ok(file) = GgufFile::parse("fuzz", data) {
         for info in &file.tensors {
-            let _ = file.tensor_f32(&info.name);
+            if let Ok((values, shape)) = file.tensor_f32(&info.name) {
+                assert_eq!(values.len(), info.elements(), "{}", info.name);
+                assert_eq!(
+                    shape.iter().product::<usize>(),
+                    values.len(),
+                    "{}",
+                    info.name
+                );
+            }
         }
     }
 }
