@@ -123,7 +123,7 @@ where
     };
     let text = std::fs::read_to_string(&text_path)
         .map_err(|e| format!("{}: {e} (pass --text)", text_path.display()))?;
-    let ids = tok.encode(&text);
+    let ids = tok.encode(&text)?;
     if ids.len() < args.eval_tokens + args.seq + 1 {
         return Err(format!(
             "{} has {} tokens: too few for {} held-out tokens plus one training sequence",
@@ -167,7 +167,7 @@ where
 
     // Prune every block linear (not the LM head) and keep it trainable under the mask.
     let norms = if args.prune == "wanda" {
-        let calib = tok.encode(&std::fs::read_to_string(&args.calibration)?);
+        let calib = tok.encode(&std::fs::read_to_string(&args.calibration)?)?;
         calibration_norms(&model.valid(), &calib, args.calibration_tokens)
     } else {
         HashMap::new()

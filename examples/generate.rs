@@ -90,7 +90,7 @@ fn generate<B: SlideSparseBackend>(
     n: usize,
     sampling: Sampling,
     seed: u64,
-) -> (f64, f64) {
+) -> Result<(f64, f64), Error> {
     let mut rng = StdRng::seed_from_u64(seed);
     let device = model.embed.weight.device();
     let mut cache = KvCache::default();
@@ -115,7 +115,7 @@ fn generate<B: SlideSparseBackend>(
     let mut next = pick_last(model.forward_last(input(prompt), &mut cache));
     let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
     let mut out = vec![next];
-    print!("{}", tok.decode(&[next]));
+    print!("{}", tok.decode(&[next])?);
     let start = Instant::now();
     for _ in 1..n {
         if Some(next) == tok.eos {
@@ -123,27 +123,27 @@ fn generate<B: SlideSparseBackend>(
         }
         next = pick_last(model.forward_last(input(&[next]), &mut cache));
         out.push(next);
-        print!("{}", tok.decode(&[next]));
+        print!("{}", tok.decode(&[next])?);
         std::io::stdout().flush().ok();
     }
     println!();
     let decode = (out.len() - 1).max(1) as f64 / start.elapsed().as_secs_f64();
-    (prefill, decode)
+    Ok((prefill, decode))
 }
 
 /// SmolLM2's ChatML: `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`, with
 /// the two markers as the special tokens the GGUF names (bos / eos), not as text.
-fn chat_prompt(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, String> {
+fn chat_prompt(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, Error> {
     let (start, end) = match (tok.bos, tok.eos) {
         (Some(s), Some(e)) => (s, e),
         _ => return Err("--chat needs the GGUF's bos/eos (<|im_start|>, <|im_end|>) ids".into()),
     };
     let mut ids = vec![start];
-    ids.extend(tok.encode(&format!("user\n{prompt}")));
+    ids.extend(tok.encode(&format!("user\n{prompt}"))?);
     ids.push(end);
-    ids.extend(tok.encode("\n"));
+    ids.extend(tok.encode("\n")?);
     ids.push(start);
-    ids.extend(tok.encode("assistant\n"));
+    ids.extend(tok.encode("assistant\n")?);
     Ok(ids)
 }
 
@@ -208,20 +208,20 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Err
     let prompt = if args.chat {
         chat_prompt(&tok, &args.prompt)?
     } else {
-        tok.encode(&args.prompt)
+        tok.encode_prompt(&args.prompt)?
     };
     let mut results = Vec::new();
     if !args.sparse_only {
         println!("--- dense (f32, {}) ---\n{}", args.device, args.prompt);
         results.push((
             "dense f32".to_string(),
-            generate(&model, &tok, &prompt, args.tokens, sampling, args.seed),
+            generate(&model, &tok, &prompt, args.tokens, sampling, args.seed)?,
         ));
     }
     let norms = match args.prune.as_str() {
         "wanda" => Some(calibration_norms(
             &model,
-            &tok.encode(&calibration_text(args.calibration.as_deref())?),
+            &tok.encode(&calibration_text(args.calibration.as_deref())?)?,
             256,
         )),
         "magnitude" => None,
@@ -262,7 +262,7 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Err
     );
     results.push((
         format!("{} {}", args.pattern, args.precision),
-        generate(&model, &tok, &prompt, args.tokens, sampling, args.seed),
+        generate(&model, &tok, &prompt, args.tokens, sampling, args.seed)?,
     ));
     println!(
         "\n{:<16} {:>14} {:>14}",

@@ -59,7 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
     let tok = Tokenizer::from_gguf(&file)?;
     let text = std::fs::read_to_string(&args.text)?;
-    let mut ids = tok.encode(&text);
+    let mut ids = tok.encode(&text)?;
     ids.truncate(args.max_tokens);
     println!(
         "{} tokens of {}, window {}, stride {}",
@@ -80,7 +80,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     report("dense f32", &dense);
     let norms = if args.prune.contains("wanda") {
         let text = std::fs::read_to_string(&args.calibration)?;
-        let calib = tok.encode(&text);
+        let calib = tok.encode(&text)?;
         println!(
             "calibrated on {} tokens of {}",
             calib.len().min(args.calibration_tokens),

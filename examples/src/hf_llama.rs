@@ -1,6 +1,7 @@
 //! Loading a Hugging Face Llama / Qwen2 checkpoint (`config.json`, `model.safetensors` or a
 //! sharded `model.safetensors.index.json`, F32/F16/BF16) into [`Llama`] with dense layers.
-//! Every tensor is checked for presence and shape; errors name the tensor and the file.
+//! Every tensor is checked for presence and shape; errors name the tensor and the file. The
+//! shards are memory-mapped and read one tensor at a time, converted as the model is built.
 //!
 //! Hugging Face stores the Q and K projection rows of each head in the "rotate half" RoPE
 //! layout (pairs `(i, i + d/2)`); the model here rotates adjacent pairs `(2i, 2i + 1)` like
@@ -93,57 +94,106 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, SlideSparseError> {
     }
 }
 
-/// Values and shape of one tensor.
-type F32Tensor = (Vec<f32>, Vec<usize>);
+/// A memory-mapped safetensors shard.
+struct Shard {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
 
-/// All tensors of the checkpoint as f32 with their shapes. Each is handed out once (moved,
-/// not copied): the loader reads every tensor exactly once.
+/// The checkpoint's tensors, read lazily: each shard is memory-mapped and only its header is
+/// parsed up front; a tensor is converted to f32 when the loader asks for it, and its mapped
+/// pages are released right after, so the peak memory is the model being built plus one
+/// tensor, not the checkpoint file plus an f32 copy of all of it. Each tensor is handed out
+/// once: the loader reads every tensor exactly once.
 struct Tensors {
-    map: RefCell<HashMap<String, F32Tensor>>,
+    shards: Vec<Shard>,
+    /// Tensor name → index of the shard that holds it; removed when the tensor is taken.
+    index: RefCell<HashMap<String, usize>>,
     dir: PathBuf,
 }
 
 impl Tensors {
-    fn load(dir: &Path) -> Result<Self, SlideSparseError> {
-        let mut map = HashMap::new();
+    fn open(dir: &Path) -> Result<Self, SlideSparseError> {
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
         for path in shard_paths(dir)? {
-            let bytes =
-                std::fs::read(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
-            let st = safetensors::SafeTensors::deserialize(&bytes)
-                .map_err(|e| err(format!("{}: {e}", path.display())))?;
-            for (name, view) in st.tensors() {
-                map.insert(
-                    name.clone(),
-                    (read_f32(&name, &view)?, view.shape().to_vec()),
-                );
+            let file =
+                std::fs::File::open(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+            // SAFETY: the map is read-only and lives as long as `Tensors`; as with any
+            // memory-mapped file, the checkpoint must not be truncated or rewritten while it
+            // is being loaded (which would be a broken checkpoint anyway).
+            let map = unsafe { memmap2::Mmap::map(&file) }
+                .map_err(|e| err(format!("{}: cannot map: {e}", path.display())))?;
+            let names: Vec<String> = safetensors::SafeTensors::deserialize(&map)
+                .map_err(|e| err(format!("{}: {e}", path.display())))?
+                .names()
+                .into_iter()
+                .map(String::from)
+                .collect();
+            for name in names {
+                if let Some(other) = index.insert(name.clone(), shards.len()) {
+                    let other: &Shard = &shards[other];
+                    return Err(err(format!(
+                        "tensor {name} is in both {} and {}",
+                        other.path.display(),
+                        path.display()
+                    )));
+                }
             }
+            shards.push(Shard { path, map });
         }
         Ok(Self {
-            map: RefCell::new(map),
+            shards,
+            index: RefCell::new(index),
             dir: dir.to_path_buf(),
         })
     }
 
-    /// Takes the values of `name`, whose shape must be `shape`.
+    /// Takes the values of `name`, whose shape must be `shape`, converted to f32.
     fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, SlideSparseError> {
-        let (values, actual) =
-            self.map
-                .borrow_mut()
-                .remove(name)
-                .ok_or_else(|| SlideSparseError::MissingTensor {
-                    name: name.to_string(),
-                    path: self.dir.display().to_string(),
-                })?;
-        if actual != shape {
+        let shard = self.index.borrow_mut().remove(name).ok_or_else(|| {
+            SlideSparseError::MissingTensor {
+                name: name.to_string(),
+                path: self.dir.display().to_string(),
+            }
+        })?;
+        let shard = &self.shards[shard];
+        let st = safetensors::SafeTensors::deserialize(&shard.map)
+            .map_err(|e| err(format!("{}: {e}", shard.path.display())))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| err(format!("{}: {name}: {e}", shard.path.display())))?;
+        if view.shape() != shape {
             return Err(SlideSparseError::ShapeMismatch {
                 what: format!("tensor {name}"),
                 expected: format!("{shape:?}"),
-                actual: format!("{actual:?}"),
+                actual: format!("{:?}", view.shape()),
             });
         }
+        let values = read_f32(name, &view)?;
+        let data = view.data();
+        let (offset, len) = (
+            data.as_ptr() as usize - shard.map.as_ptr() as usize,
+            data.len(),
+        );
+        drop(st);
+        release_pages(&shard.map, offset, len);
         Ok(values)
     }
 }
+
+/// Drops the resident pages of a tensor that has been converted, so that the mapped file does
+/// not add up in memory as the loader walks through it (the pages stay in the page cache).
+#[cfg(unix)]
+fn release_pages(map: &memmap2::Mmap, offset: usize, len: usize) {
+    // SAFETY: the map is a read-only shared file mapping and no slice into this range is
+    // alive (the tensor view was dropped): after MADV_DONTNEED a later access reads the
+    // same bytes back from the file. A failure only means the pages stay resident.
+    let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
+}
+
+#[cfg(not(unix))]
+fn release_pages(_map: &memmap2::Mmap, _offset: usize, _len: usize) {}
 
 /// Reorders the rows of each head from the rotate-half layout to adjacent pairs:
 /// adjacent row `2i + j` of a head is rotate-half row `j * d/2 + i`. `row_len` is 1 for a
@@ -203,7 +253,7 @@ pub fn load_hf_llama<B: Backend>(
     let json = std::fs::read_to_string(&config_path)
         .map_err(|e| err(format!("{}: {e}", config_path.display())))?;
     let config = config_from_json(&json)?.with_max_seq_len(max_seq_len);
-    let t = Tensors::load(dir)?;
+    let t = Tensors::open(dir)?;
     let (h, ff, hd) = (config.hidden, config.intermediate, config.head_dim());
     let (q_out, kv_out) = (config.heads * hd, config.kv_heads * hd);
     let mut model = config.init::<B>(device);

@@ -1,5 +1,5 @@
-//! The example model: dense-vs-sparse logits agreement, KV cache consistency, the GGUF
-//! loader on a tiny file written here, and the tokenizer round trip.
+//! The example model: dense-vs-sparse logits agreement, KV cache consistency, and the GGUF
+//! and Hugging Face loaders on tiny files written here (the tokenizer: `tokenizer.rs`).
 
 use burn::{
     backend::NdArray,
@@ -11,7 +11,6 @@ use burn_slidesparse::{
 use slidesparse_examples::{
     gguf_llama::load_llama,
     llama::{KvCache, Llama, LlamaConfig},
-    tokenizer::{Tokenizer, pre_tokenize},
 };
 
 type B = NdArray;
@@ -243,42 +242,6 @@ fn gguf_loader_reproduces_the_model_and_reports_missing_tensors() {
 }
 
 #[test]
-fn pre_tokenizer_follows_gpt2_with_single_digits() {
-    assert_eq!(pre_tokenize("Hello world"), ["Hello", " world"]);
-    assert_eq!(
-        pre_tokenize("it's 2024!"),
-        ["it", "'s", " ", "2", "0", "2", "4", "!"]
-    );
-    assert_eq!(pre_tokenize("a  b"), ["a", " ", " b"]);
-    assert_eq!(pre_tokenize("x\n\ny"), ["x", "\n\n", "y"]);
-}
-
-/// Round trip on the real SmolLM2 tokenizer when the model is in the cache (skipped
-/// otherwise: CI has no model).
-#[test]
-fn tokenizer_round_trips_on_smollm2_when_available() {
-    let Some(home) = std::env::var_os("HOME") else {
-        return;
-    };
-    let path = std::path::Path::new(&home)
-        .join(".cache/burn-slidesparse/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let Ok(bytes) = std::fs::read(&path) else {
-        eprintln!("SmolLM2 not cached: skipping the real-tokenizer round trip");
-        return;
-    };
-    let file = GgufFile::parse("smollm2", &bytes).unwrap();
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    for text in [
-        "Once upon a time, there was a little girl.",
-        "x = 12345; // naïve café ✓\n\tdone",
-    ] {
-        let ids = tok.encode(text);
-        assert!(ids.len() < text.len());
-        assert_eq!(tok.decode(&ids), text);
-    }
-}
-
-#[test]
 fn calibration_norms_drive_activation_aware_packing() {
     let config = tiny_config();
     let model = config.init::<B>(&Default::default());
@@ -472,33 +435,122 @@ fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
     assert!(err.contains("gpt_neox"), "{err}");
 }
 
-#[test]
-fn tokenizer_json_builds_the_same_byte_level_bpe() {
-    // A tiny byte-level BPE: every byte as a token, plus merges "h e" -> "he", "he l" -> "hel".
-    let byte_chars: Vec<String> = {
-        // GPT-2 byte map of the printable ASCII range is the identity.
-        (b'!'..=b'~').map(|b| (b as char).to_string()).collect()
-    };
-    let mut vocab = serde_json::Map::new();
-    for (i, t) in byte_chars.iter().enumerate() {
-        vocab.insert(t.clone(), i.into());
+/// Random blocks of a k-quant type (ggml id, bytes per 256 values, offsets of its f16
+/// super-scales) with the super-scales set to small values, as a quantizer would.
+fn random_k_blocks(kind: (u32, usize, &[usize]), values: usize, seed: u64) -> Vec<u8> {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    let (_, block_bytes, scales) = kind;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut bytes: Vec<u8> = (0..values / 256 * block_bytes)
+        .map(|_| rng.random())
+        .collect();
+    for block in bytes.chunks_mut(block_bytes) {
+        for &at in scales {
+            let d = half::f16::from_f32(rng.random_range(0.0005f32..0.002));
+            block[at..at + 2].copy_from_slice(&d.to_le_bytes());
+        }
     }
-    let n = byte_chars.len();
-    vocab.insert("he".into(), n.into());
-    vocab.insert("hel".into(), (n + 1).into());
-    let json = serde_json::json!({
-        "added_tokens": [{"id": n + 2, "content": "<|im_start|>"}, {"id": n + 3, "content": "<|im_end|>"}],
-        "model": {"type": "BPE", "vocab": vocab, "merges": ["h e", ["he", "l"]]},
-    });
-    let tok =
-        Tokenizer::from_tokenizer_json(&json.to_string(), Some("<|im_start|>"), Some("<|im_end|>"))
-            .unwrap();
-    assert_eq!(tok.bos, Some(n as u32 + 2));
-    assert_eq!(tok.eos, Some(n as u32 + 3));
-    let ids = tok.encode("hello");
-    assert_eq!(ids[0], n as u32 + 1, "merged 'hel' first: {ids:?}");
-    assert_eq!(tok.decode(&ids), "hello");
-    // Not BPE: a clear error.
-    let bad = serde_json::json!({"model": {"type": "Unigram"}});
-    assert!(Tokenizer::from_tokenizer_json(&bad.to_string(), None, None).is_err());
+    bytes
+}
+
+/// A model file mixing tensor types the way `Q4_K_M` / `Q5_K_M` files do (different k-quants
+/// per tensor, norms in F32) loads, and every linear holds exactly the reader's values.
+#[test]
+fn gguf_loader_reads_a_model_mixing_k_quant_types() {
+    const Q2K: (u32, usize, &[usize]) = (10, 84, &[80, 82]);
+    const Q3K: (u32, usize, &[usize]) = (11, 110, &[108]);
+    const Q4K: (u32, usize, &[usize]) = (12, 144, &[0, 2]);
+    const Q5K: (u32, usize, &[usize]) = (13, 176, &[0, 2]);
+    const Q6K: (u32, usize, &[usize]) = (14, 210, &[208]);
+    // k-quants need rows of whole 256-value super-blocks.
+    let config = LlamaConfig::new(64, 256, 256, 1, 4, 2).with_max_seq_len(16);
+    let (h, ff, kv) = (256u64, 256u64, 128u64);
+    let mut tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
+    let ones: Vec<u8> = (0..h).flat_map(|_| 1f32.to_le_bytes()).collect();
+    for (i, (name, kind, rows, cols)) in [
+        ("token_embd.weight", Q4K, 64, h),
+        ("output.weight", Q6K, 64, h),
+        ("blk.0.attn_q.weight", Q4K, h, h),
+        ("blk.0.attn_k.weight", Q2K, kv, h),
+        ("blk.0.attn_v.weight", Q6K, kv, h),
+        ("blk.0.attn_output.weight", Q4K, h, h),
+        ("blk.0.ffn_gate.weight", Q5K, ff, h),
+        ("blk.0.ffn_up.weight", Q3K, ff, h),
+        ("blk.0.ffn_down.weight", Q6K, h, ff),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = random_k_blocks(kind, (rows * cols) as usize, i as u64);
+        tensors.push((name.into(), vec![cols, rows], kind.0, data));
+    }
+    for name in [
+        "output_norm.weight",
+        "blk.0.attn_norm.weight",
+        "blk.0.ffn_norm.weight",
+    ] {
+        tensors.push((name.into(), vec![h], 0, ones.clone()));
+    }
+    let mut kv_meta: Vec<(String, u32, Vec<u8>)> = Vec::new();
+    let mut s = Vec::new();
+    gguf_string(&mut s, "llama");
+    kv_meta.push(("general.architecture".into(), 8, s));
+    for (k, v) in [
+        ("llama.embedding_length", config.hidden),
+        ("llama.feed_forward_length", config.intermediate),
+        ("llama.block_count", config.layers),
+        ("llama.attention.head_count", config.heads),
+        ("llama.attention.head_count_kv", config.kv_heads),
+    ] {
+        kv_meta.push((k.into(), 4, (v as u32).to_le_bytes().to_vec()));
+    }
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kv_meta.len() as u64).to_le_bytes());
+    for (k, t, v) in &kv_meta {
+        gguf_string(&mut out, k);
+        out.extend(t.to_le_bytes());
+        out.extend(v);
+    }
+    let mut offset = 0u64;
+    for (name, dims, type_id, data) in &tensors {
+        gguf_string(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
+        out.extend(type_id.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offset += (data.len() as u64).next_multiple_of(32);
+    }
+    while !out.len().is_multiple_of(32) {
+        out.push(0);
+    }
+    for (_, _, _, data) in &tensors {
+        out.extend(data);
+        while !out.len().is_multiple_of(32) {
+            out.push(0);
+        }
+    }
+    let file = GgufFile::parse("q4_k_m-like", &out).unwrap();
+    let model = load_llama::<B>(&file, 16, &Default::default()).unwrap();
+    let block = &model.blocks[0];
+    for (name, layer) in [
+        ("blk.0.attn_q.weight", &block.q),
+        ("blk.0.attn_k.weight", &block.k),
+        ("blk.0.attn_v.weight", &block.v),
+        ("blk.0.attn_output.weight", &block.o),
+        ("blk.0.ffn_gate.weight", &block.gate),
+        ("blk.0.ffn_up.weight", &block.up),
+        ("blk.0.ffn_down.weight", &block.down),
+        ("output.weight", &model.lm_head),
+    ] {
+        let (expected, shape) = file.tensor_f32(name).unwrap();
+        let (got, got_shape) = rows_of(layer);
+        assert_eq!(got_shape, shape, "{name}");
+        assert_eq!(got, expected, "{name}");
+        assert!(expected.iter().any(|&v| v != 0.0), "{name}: all zero");
+    }
+    let embed: Vec<f32> = model.embed.weight.val().into_data().into_vec().unwrap();
+    assert_eq!(embed, file.tensor_f32("token_embd.weight").unwrap().0);
+    assert!(logits(&model, &[1, 2, 3]).iter().all(|v| v.is_finite()));
 }
