@@ -554,3 +554,76 @@ fn gguf_loader_reads_a_model_mixing_k_quant_types() {
     assert_eq!(embed, file.tensor_f32("token_embd.weight").unwrap().0);
     assert!(logits(&model, &[1, 2, 3]).iter().all(|v| v.is_finite()));
 }
+
+/// Splits the single `model.safetensors` of `dir` into two shards plus the index, putting
+/// the tensors named in `in_both` into both shards.
+fn shard_checkpoint(dir: &std::path::Path, in_both: &[&str]) {
+    use burn_slidesparse::internals::format::{OwnedTensor, serialize};
+    let single = dir.join("model.safetensors");
+    let bytes = std::fs::read(&single).unwrap();
+    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = parsed.names().into_iter().map(String::from).collect();
+    names.sort();
+    let (mut shards, mut weight_map) = ([Vec::new(), Vec::new()], serde_json::Map::new());
+    for (i, name) in names.iter().enumerate() {
+        let view = parsed.tensor(name).unwrap();
+        let owned = || OwnedTensor {
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            data: view.data().to_vec(),
+        };
+        let shard = i % 2;
+        shards[shard].push((name.clone(), owned()));
+        if in_both.contains(&name.as_str()) {
+            shards[1 - shard].push((name.clone(), owned()));
+        }
+        weight_map.insert(
+            name.clone(),
+            format!("model-0000{}-of-00002.safetensors", shard + 1).into(),
+        );
+    }
+    for (i, tensors) in shards.iter().enumerate() {
+        let path = dir.join(format!("model-0000{}-of-00002.safetensors", i + 1));
+        std::fs::write(path, serialize(tensors, Default::default()).unwrap()).unwrap();
+    }
+    let index = serde_json::json!({"weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::remove_file(single).unwrap();
+}
+
+#[test]
+fn hf_loader_reads_sharded_checkpoints_lazily_and_refuses_a_tensor_in_two_shards() {
+    use slidesparse_examples::hf_llama::load_hf_llama;
+    let device = Default::default();
+    let config = tiny_config().with_qkv_bias(true).with_tie_embeddings(false);
+    let model = config.init::<B>(&device);
+    let ids = [3i64, 17, 42, 5];
+    for duplicate in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        write_hf_checkpoint(&model, &config, dir.path());
+        let in_both: &[&str] = if duplicate {
+            &["model.layers.0.mlp.up_proj.weight"]
+        } else {
+            &[]
+        };
+        shard_checkpoint(dir.path(), in_both);
+        let result = load_hf_llama::<B>(dir.path(), 64, &device);
+        if duplicate {
+            let err = result.err().unwrap().to_string();
+            assert!(
+                err.contains("model.layers.0.mlp.up_proj.weight") && err.contains("both"),
+                "{err}"
+            );
+        } else {
+            let loaded = result.unwrap();
+            let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
+            assert_eq!(a.len(), b.len());
+            let max = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(max < 1e-5, "max logit difference {max}");
+        }
+    }
+}
