@@ -45,7 +45,7 @@ impl GraphMode {
 }
 
 /// The settings a device's forwards run under; tests and benchmarks change them
-/// through [`DeviceState::set_settings`](super::state::DeviceState::set_settings).
+/// through `DeviceState::set_settings` (`state.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Settings {
     /// How the GEMM joins burn's stream.
