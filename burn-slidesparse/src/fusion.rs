@@ -63,11 +63,11 @@ fn to_inner<B: FusionBackend, const D: usize>(t: Tensor<Fusion<B>, D>) -> Tensor
     Tensor::from_data(data, &device)
 }
 
-/// Which inner forward a queued operation runs.
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Sparse,
-    Dense,
+/// The inner layer a queued operation runs.
+#[derive(Debug)]
+enum InnerLayer<B: SlideSparseBackend> {
+    Sparse(B::Prepared),
+    Dense(B::DensePrepared),
 }
 
 /// The custom operation: `out = forward(x)` on the inner backend.
@@ -75,16 +75,14 @@ enum Kind {
 struct ForwardOp<B: SlideSparseBackend> {
     x: TensorIr,
     out: TensorIr,
-    kind: Kind,
-    sparse: Option<B::Prepared>,
-    dense: Option<B::DensePrepared>,
+    layer: InnerLayer<B>,
 }
 
 impl<B: FusionBackend + SlideSparseBackend> ForwardOp<B> {
     fn run(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
-        match self.kind {
-            Kind::Sparse => B::slidesparse_forward(x, self.sparse.as_ref().expect("sparse op")),
-            Kind::Dense => B::dense_forward(x, self.dense.as_ref().expect("dense op")),
+        match &self.layer {
+            InnerLayer::Sparse(p) => B::slidesparse_forward(x, p),
+            InnerLayer::Dense(p) => B::dense_forward(x, p),
         }
     }
 }
@@ -119,11 +117,11 @@ fn nan_output<B: Backend>(out: &TensorIr, device: &B::Device) -> Tensor<B, 2> {
     Tensor::<B, 2>::full([out.shape[0], out.shape[1]], f32::NAN, device).cast(out.dtype)
 }
 
-/// Queues `op` for `x` (`[m, in_features]`) with an `[m, out_features]` output.
+/// Queues `layer`'s forward of `x` (`[m, in_features]`) with an `[m, out_features]` output.
 fn queue<B: FusionBackend + SlideSparseBackend>(
     x: Tensor<Fusion<B>, 2>,
     (in_features, out_features): (usize, usize),
-    make: impl FnOnce(TensorIr, TensorIr) -> ForwardOp<B>,
+    layer: InnerLayer<B>,
 ) -> Result<Tensor<Fusion<B>, 2>> {
     take_deferred()?;
     let [m, k] = x.dims();
@@ -149,7 +147,11 @@ fn queue<B: FusionBackend + SlideSparseBackend>(
         std::slice::from_ref(&out),
     );
     let y = client
-        .register(streams, OperationIr::Custom(ir), make(x, out))
+        .register(
+            streams,
+            OperationIr::Custom(ir),
+            ForwardOp { x, out, layer },
+        )
         .output();
     Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
 }
@@ -177,13 +179,7 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
         prepared: &Self::Prepared,
     ) -> Result<Tensor<Self, 2>> {
         let widths = (prepared.in_features, prepared.out_features);
-        queue(x, widths, |x, out| ForwardOp {
-            x,
-            out,
-            kind: Kind::Sparse,
-            sparse: Some(prepared.inner.clone()),
-            dense: None,
-        })
+        queue(x, widths, InnerLayer::Sparse(prepared.inner.clone()))
     }
 
     type DensePrepared = FusionPrepared<B::DensePrepared>;
@@ -208,12 +204,6 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
         prepared: &Self::DensePrepared,
     ) -> Result<Tensor<Self, 2>> {
         let widths = (prepared.in_features, prepared.out_features);
-        queue(x, widths, |x, out| ForwardOp {
-            x,
-            out,
-            kind: Kind::Dense,
-            sparse: None,
-            dense: Some(prepared.inner.clone()),
-        })
+        queue(x, widths, InnerLayer::Dense(prepared.inner.clone()))
     }
 }
