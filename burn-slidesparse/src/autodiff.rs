@@ -21,25 +21,49 @@ use crate::{
 };
 
 /// A layer prepared for `Autodiff<B>`: the reference path's weights for forwards that need
-/// a gradient, and the inner backend's, built on first use, for those that do not.
+/// a gradient and the inner backend's for those that do not, each built on its first use (a
+/// model used only for inference never holds the reference copy).
 #[derive(Clone, Debug)]
 pub struct AutodiffPrepared<A: AutodiffBackend, W, P> {
-    reference: ReferencePrepared<A>,
-    /// The inner backend's tensors of the layer (the module's own buffers, not copies).
+    /// The layer's weights on the autodiff backend (host codes, bias tensor).
     source: W,
+    reference: Arc<Mutex<Option<ReferencePrepared<A>>>>,
     inner: Arc<Mutex<Option<P>>>,
 }
 
+/// The value in `slot`, built with `build` on first use.
+fn once<T: Clone>(slot: &Mutex<Option<T>>, build: impl FnOnce() -> Result<T>) -> Result<T> {
+    let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(value) = slot.as_ref() {
+        return Ok(value.clone());
+    }
+    let value = build()?;
+    *slot = Some(value.clone());
+    Ok(value)
+}
+
 impl<A: AutodiffBackend, W: Clone, P: Clone> AutodiffPrepared<A, W, P> {
-    /// The inner backend's preparation, built with `prepare` on first use.
-    fn inner(&self, prepare: impl FnOnce(W) -> Result<P>) -> Result<P> {
-        let mut slot = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = slot.as_ref() {
-            return Ok(p.clone());
+    fn new(source: W) -> Self {
+        Self {
+            source,
+            reference: Arc::default(),
+            inner: Arc::default(),
         }
-        let p = prepare(self.source.clone())?;
-        *slot = Some(p.clone());
-        Ok(p)
+    }
+
+    /// The inner backend's preparation, built from the source weights on first use.
+    fn inner<I>(
+        &self,
+        to_inner: impl FnOnce(&W) -> I,
+        prepare: impl FnOnce(I) -> Result<P>,
+    ) -> Result<P> {
+        once(&self.inner, || prepare(to_inner(&self.source)))
+    }
+
+    /// The reference path's weights on the autodiff backend, built on first use.
+    fn reference(&self, prepare: impl FnOnce(W) -> ReferencePrepared<A>) -> ReferencePrepared<A> {
+        once(&self.reference, || Ok(prepare(self.source.clone())))
+            .expect("building the reference weights cannot fail")
     }
 }
 
@@ -57,30 +81,25 @@ fn is_tracked<B: SlideSparseBackend>(x: &Tensor<Autodiff<B>, 2>) -> bool {
 fn inner_packed<B: SlideSparseBackend>(w: &PackedTensors<Autodiff<B>>) -> PackedTensors<B> {
     PackedTensors {
         spec: w.spec,
-        weight: w.weight.clone().inner(),
-        scale: w.scale.clone().inner(),
+        weight: w.weight.clone(),
         bias: w.bias.clone().map(Tensor::inner),
+        device: w.device.clone(),
     }
 }
 
 fn inner_dense<B: SlideSparseBackend>(w: &DenseTensors<Autodiff<B>>) -> DenseTensors<B> {
     DenseTensors {
-        precision: w.precision,
-        weight: w.weight.clone().inner(),
-        scale: w.scale.clone().inner(),
+        weight: w.weight.clone(),
         bias: w.bias.clone().map(Tensor::inner),
+        device: w.device.clone(),
     }
 }
 
 impl<B: SlideSparseBackend> SlideSparseBackend for Autodiff<B> {
-    type Prepared = AutodiffPrepared<Self, PackedTensors<B>, B::Prepared>;
+    type Prepared = AutodiffPrepared<Self, PackedTensors<Self>, B::Prepared>;
 
     fn slidesparse_prepare(weights: PackedTensors<Self>) -> Result<Self::Prepared> {
-        Ok(AutodiffPrepared {
-            source: inner_packed(&weights),
-            reference: reference::prepare(weights),
-            inner: Arc::default(),
-        })
+        Ok(AutodiffPrepared::new(weights))
     }
 
     fn slidesparse_forward(
@@ -88,23 +107,22 @@ impl<B: SlideSparseBackend> SlideSparseBackend for Autodiff<B> {
         prepared: &Self::Prepared,
     ) -> Result<Tensor<Self, 2>> {
         if is_tracked(&x) {
-            return Ok(reference::forward(x, &prepared.reference));
+            return Ok(reference::forward(
+                x,
+                &prepared.reference(reference::prepare),
+            ));
         }
-        let inner = prepared.inner(B::slidesparse_prepare)?;
+        let inner = prepared.inner(inner_packed, B::slidesparse_prepare)?;
         Ok(Tensor::from_inner(B::slidesparse_forward(
             x.inner(),
             &inner,
         )?))
     }
 
-    type DensePrepared = AutodiffPrepared<Self, DenseTensors<B>, B::DensePrepared>;
+    type DensePrepared = AutodiffPrepared<Self, DenseTensors<Self>, B::DensePrepared>;
 
     fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared> {
-        Ok(AutodiffPrepared {
-            source: inner_dense(&weights),
-            reference: reference::prepare_dense(weights),
-            inner: Arc::default(),
-        })
+        Ok(AutodiffPrepared::new(weights))
     }
 
     fn dense_forward(
@@ -112,9 +130,12 @@ impl<B: SlideSparseBackend> SlideSparseBackend for Autodiff<B> {
         prepared: &Self::DensePrepared,
     ) -> Result<Tensor<Self, 2>> {
         if is_tracked(&x) {
-            return Ok(reference::forward(x, &prepared.reference));
+            return Ok(reference::forward(
+                x,
+                &prepared.reference(reference::prepare_dense),
+            ));
         }
-        let inner = prepared.inner(B::dense_prepare)?;
+        let inner = prepared.inner(inner_dense, B::dense_prepare)?;
         Ok(Tensor::from_inner(B::dense_forward(x.inner(), &inner)?))
     }
 }

@@ -9,7 +9,11 @@ use std::{any::Any, fmt::Debug, sync::Arc};
 
 use burn::tensor::{Tensor, backend::Backend};
 
-use crate::{error::Result, pattern::SparsityPattern, quant::Precision};
+use crate::{
+    error::Result,
+    pattern::SparsityPattern,
+    quant::{Precision, QuantizedWeight},
+};
 
 /// Static description of a packed layer: everything but the tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -38,31 +42,38 @@ impl LayerSpec {
     }
 }
 
-/// A packed layer's tensors on a backend, borrowed for preparation.
+/// A packed layer's weights for a backend's preparation: the codes and scales on the host
+/// (shared with the module, not copied), the bias on the device.
 #[derive(Clone, Debug)]
 pub struct PackedTensors<B: Backend> {
     /// Pattern, precision and sizes.
     pub spec: LayerSpec,
-    /// `W' [out, K']` as code values: INT8 integers, decoded E4M3 values, or the floats.
-    pub weight: Tensor<B, 2>,
-    /// Per-output-channel scales `[out]`.
-    pub scale: Tensor<B, 1>,
+    /// `W' [out, K']` codes and per-output-channel scales.
+    pub weight: Arc<QuantizedWeight>,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Tensor<B, 1>>,
+    /// The device to prepare on.
+    pub device: B::Device,
 }
 
-/// A dense quantized layer's tensors (the like-for-like baseline of SlideSparse: the same
-/// per-token quantization, GEMM and epilogue, without the slide), borrowed for preparation.
+/// A dense quantized layer's weights (the like-for-like baseline of SlideSparse: the same
+/// per-token quantization, GEMM and epilogue, without the slide) for a backend's
+/// preparation: codes and scales on the host, the bias on the device.
 #[derive(Clone, Debug)]
 pub struct DenseTensors<B: Backend> {
-    /// Element type of `W` (and of the quantized activations).
-    pub precision: Precision,
-    /// `W [out, in]` as code values (INT8 integers, decoded E4M3, or floats).
-    pub weight: Tensor<B, 2>,
-    /// Per-output-channel scales `[out]`.
-    pub scale: Tensor<B, 1>,
+    /// `W [out, in]` codes (their precision is the layer's) and per-output-channel scales.
+    pub weight: Arc<QuantizedWeight>,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Tensor<B, 1>>,
+    /// The device to prepare on.
+    pub device: B::Device,
+}
+
+impl<B: Backend> DenseTensors<B> {
+    /// Element type of `W` (and of the quantized activations).
+    pub fn precision(&self) -> Precision {
+        self.weight.codes.precision()
+    }
 }
 
 /// A backend that can run SlideSparse linear layers (and their dense quantized baseline).
@@ -92,8 +103,8 @@ pub trait SlideSparseBackend: Backend {
     -> Result<Tensor<Self, 2>>;
 }
 
-/// What a prepared weight depends on: the weight and scale parameters and the device.
-pub(crate) type PreparedKey = (u64, u64, burn::tensor::backend::DeviceId);
+/// What a prepared weight depends on: the codes (their id) and the device.
+pub(crate) type PreparedKey = (u64, burn::tensor::backend::DeviceId);
 
 type ErasedPrepared = Arc<dyn Any + Send + Sync>;
 

@@ -48,10 +48,15 @@ mod dispatch {
     use burn_cubecl::{
         BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement, tensor::CubeTensor,
     };
+    use cubecl::cuda::CudaDevice;
 
     use crate::{
         backend::{DenseTensors, PackedTensors},
-        cuda::{CudaPrepared, DenseLayerGpu, prepare::host_f32, runtime::Runtime},
+        cuda::{
+            CudaPrepared, DenseLayerGpu,
+            prepare::host_f32,
+            runtime::{Client, Runtime},
+        },
         error::Result,
     };
 
@@ -73,49 +78,45 @@ mod dispatch {
         cast(t).expect("R was checked to be the CUDA runtime")
     }
 
-    fn host<B: burn::tensor::backend::Backend>(
-        t: Option<Tensor<B, 1>>,
+    /// The CUDA client and device index of a device of runtime `R`, if `R` is CUDA.
+    fn cuda_client<R: CubeRuntime>(device: &R::Device) -> Option<(Client, usize)> {
+        let device: CudaDevice = cast(device.clone())?;
+        Some((<Runtime as cubecl::Runtime>::client(&device), device.index))
+    }
+
+    /// The bias on the host (a few KB, read once per layer).
+    fn host_bias<B: burn::tensor::backend::Backend>(
+        bias: &Option<Tensor<B, 1>>,
     ) -> Result<Option<Vec<f32>>> {
-        t.map(host_f32).transpose()
+        bias.clone().map(host_f32).transpose()
     }
 
     /// The CUDA pipeline's layer, if `R` is CUDA.
     pub fn prepare_sparse<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         weights: &PackedTensors<CubeBackend<R, F, I, BT>>,
     ) -> Option<Result<CudaPrepared>> {
-        let primitive = to_cuda(weights.weight.clone().into_primitive().tensor())?;
-        let w = weights.clone();
-        Some((|| {
-            let bias = host(w.bias)?;
+        let (client, index) = cuda_client::<R>(&weights.device)?;
+        Some(host_bias(&weights.bias).and_then(|bias| {
             CudaPrepared::new_sparse(
-                &primitive.client,
-                primitive.device.index,
-                w.spec,
-                &host_f32(w.weight)?,
-                &host_f32(w.scale)?,
+                &client,
+                index,
+                weights.spec,
+                &weights.weight,
                 bias.as_deref(),
             )
-        })())
+        }))
     }
 
     /// The CUDA dense baseline's layer, if `R` is CUDA.
     pub fn prepare_dense<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         weights: &DenseTensors<CubeBackend<R, F, I, BT>>,
     ) -> Option<Result<DenseLayerGpu>> {
-        let primitive = to_cuda(weights.weight.clone().into_primitive().tensor())?;
-        let w = weights.clone();
-        let [n, k] = w.weight.dims();
-        Some((|| {
-            let bias = host(w.bias)?;
-            DenseLayerGpu::from_values(
-                &primitive.client,
-                primitive.device.index,
-                w.precision,
-                (&host_f32(w.weight)?, n, k),
-                &host_f32(w.scale)?,
-                bias.as_deref(),
-            )
-        })())
+        let (client, index) = cuda_client::<R>(&weights.device)?;
+        Some(
+            host_bias(&weights.bias).and_then(|bias| {
+                DenseLayerGpu::new(&client, index, &weights.weight, bias.as_deref())
+            }),
+        )
     }
 }
 

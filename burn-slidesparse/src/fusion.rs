@@ -2,8 +2,8 @@
 //! that has one: `burn::backend::Cuda` (fusion over burn-cuda, burn's default CUDA backend)
 //! runs the inner backend's real pipeline.
 //!
-//! Preparation runs once, eagerly, on the inner backend (the weights go through the host,
-//! which preparation reads anyway). A forward is registered with fusion as a custom
+//! Preparation runs once, eagerly, on the inner backend (from the codes on the host; the
+//! bias goes through the host too). A forward is registered with fusion as a custom
 //! operation (`OperationIr::Custom`): fusion executes it in stream order among the fused
 //! kernels around it, under the `StreamId` of the thread that queued it (possibly on another
 //! thread), and the inner backend's forward then runs on the inner tensors there. The CUDA
@@ -55,8 +55,8 @@ pub struct FusionPrepared<P> {
     out_features: usize,
 }
 
-/// A fusion tensor as the same values on the inner backend (through the host: only for
-/// preparation, which runs once).
+/// A fusion tensor as the same values on the inner backend (through the host: only for a
+/// layer's bias at preparation, which runs once).
 fn to_inner<B: FusionBackend, const D: usize>(t: Tensor<Fusion<B>, D>) -> Tensor<B, D> {
     let device = t.device();
     let data: TensorData = t.into_data();
@@ -156,6 +156,51 @@ fn queue<B: FusionBackend + SlideSparseBackend>(
     Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
 }
 
+/// A custom operation that does nothing but pass its input through (`out = x`, sharing the
+/// buffer): what registering and executing any custom operation costs fusion, for the
+/// benchmark that compares it with a forward's extra cost on fusion.
+#[derive(Debug)]
+struct IdentityOp<B> {
+    x: TensorIr,
+    out: TensorIr,
+    backend: std::marker::PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend> Operation<B::FusionRuntime> for IdentityOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<B::Handle>) {
+        let x = handles.get_float_tensor::<B>(&self.x);
+        handles.register_float_tensor::<B>(&self.out.id, x);
+    }
+}
+
+/// Queues an identity custom operation on `x` (see `IdentityOp`). Not an API: benchmarks.
+#[doc(hidden)]
+pub fn identity_custom_op<B: FusionBackend>(x: Tensor<Fusion<B>, 2>) -> Tensor<Fusion<B>, 2> {
+    let x = x.into_primitive().tensor();
+    let streams = OperationStreams::with_inputs([&x]);
+    let client = x.client.clone();
+    let (shape, dtype) = (x.shape.clone(), x.dtype);
+    let x = x.into_ir();
+    let out = TensorIr::uninit(client.create_empty_handle(), shape, dtype);
+    let ir = CustomOpIr::new(
+        "slidesparse_identity",
+        std::slice::from_ref(&x),
+        std::slice::from_ref(&out),
+    );
+    let y = client
+        .register(
+            streams,
+            OperationIr::Custom(ir),
+            IdentityOp::<B> {
+                x,
+                out,
+                backend: std::marker::PhantomData,
+            },
+        )
+        .output();
+    Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
 impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
     type Prepared = FusionPrepared<B::Prepared>;
 
@@ -163,9 +208,9 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
         let spec = weights.spec;
         let inner = B::slidesparse_prepare(PackedTensors {
             spec,
-            weight: to_inner(weights.weight),
-            scale: to_inner(weights.scale),
+            weight: weights.weight,
             bias: weights.bias.map(to_inner),
+            device: weights.device,
         })?;
         Ok(FusionPrepared {
             inner,
@@ -185,12 +230,11 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
     type DensePrepared = FusionPrepared<B::DensePrepared>;
 
     fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared> {
-        let [out_features, in_features] = weights.weight.dims();
+        let (out_features, in_features) = (weights.weight.rows, weights.weight.cols);
         let inner = B::dense_prepare(DenseTensors {
-            precision: weights.precision,
-            weight: to_inner(weights.weight),
-            scale: to_inner(weights.scale),
+            weight: weights.weight,
             bias: weights.bias.map(to_inner),
+            device: weights.device,
         })?;
         Ok(FusionPrepared {
             inner,

@@ -9,6 +9,7 @@
 mod autodiff;
 mod backend;
 mod checkpoint;
+mod codes;
 #[cfg(feature = "cubecl")]
 mod cube;
 mod error;
@@ -41,6 +42,7 @@ pub use checkpoint::{
     DEFAULT_EXCLUDE, DEFAULT_LAYER_FILTER, LayerSelection, PackProgress, PackReport, VerifyReport,
     pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
 };
+pub use codes::{WeightCodesModule, WeightCodesRecord};
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;
 pub use error::{Result, SlideSparseError};
@@ -56,8 +58,8 @@ pub use quant::{Precision, QuantizedWeight, WeightCodes};
 pub use quantized::QuantizedLinear;
 pub use reference::ReferencePrepared;
 pub use swap::{
-    MaybeSparseLinear, VisitLinears, load_file, load_record, mask_with, prepare_all,
-    quantize_dense, sparsify, sparsify_with,
+    MaybeSparseLinear, VisitLinears, load_file, load_packed, load_packed_file, load_record,
+    mask_with, prepare_all, quantize_dense, sparsify, sparsify_with,
 };
 
 /// What `impl_reference_backend!` expands to; not an API.
@@ -116,5 +118,10 @@ pub mod internals {
     /// The backend trait and the prepared-weight tensors.
     pub mod backend {
         pub use crate::backend::*;
+    }
+    /// The fusion backend's custom operations (the identity one, for benchmarks).
+    #[cfg(feature = "fusion")]
+    pub mod fusion {
+        pub use crate::fusion::identity_custom_op;
     }
 }

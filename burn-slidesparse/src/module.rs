@@ -1,6 +1,8 @@
 //! `SlideSparseLinear`: a drop-in replacement for `burn::nn::Linear` running a packed
 //! `(2N-2):2N` weight.
 
+use std::sync::Arc;
+
 use burn::{
     config::Config,
     module::{Module, Param},
@@ -10,11 +12,12 @@ use burn::{
 
 use crate::{
     backend::{LayerSpec, PackedTensors, PreparedSlot, SlideSparseBackend},
+    codes::WeightCodesModule,
     error::{Result, SlideSparseError},
     pack::{DEFAULT_ALIGNMENT, PackOptions, PackedLinear, check_alignment, pack_linear},
     pattern::SparsityPattern,
     prune::PruneMethod,
-    quant::{Precision, QuantizedWeight, WeightCodes, canonical_fp8},
+    quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
 /// Configuration of a [`SlideSparseLinear`]; `init` gives an all-zero (valid) packed layer
@@ -75,7 +78,7 @@ impl SlideSparseLinearConfig {
             },
             bias: self.bias.then(|| vec![0.0; n]),
         };
-        Ok(SlideSparseLinear::from_packed(&packed, device))
+        Ok(SlideSparseLinear::from_packed_owned(packed, device))
     }
 
     /// [`try_init`](Self::try_init), panicking on an invalid alignment like burn's own
@@ -88,16 +91,16 @@ impl SlideSparseLinearConfig {
 
 /// A linear layer `[..., K] -> [..., out]` whose weight is a slid `(2N-2):2N` matrix.
 ///
-/// The record holds the packed form: the slid `W'` as code values (INT8 integers, E4M3
-/// values, or the BF16/F16/F32 floats), per-channel scales and the bias; the layout comes
-/// from the config. Code values are exact in f32 and f16 records (INT8, FP8, F16) and in f32
-/// records for BF16/F32: save BF16/F32 layers with full precision settings.
+/// The slid `W' [out, K']` codes and their per-channel scales stay on the host
+/// ([`WeightCodesModule`]); the device holds only what the backend prepares from them on the
+/// first forward (on CUDA, cuSPARSELt's compressed weight and the scales) and the bias. The
+/// record holds the codes in their own width (INT8 as `I8`, FP8 as E4M3 bytes, 16-bit
+/// precisions as 16-bit), the scales in f32 and the bias in the record's float type: records
+/// round-trip bit-exactly. The layout comes from the config.
 #[derive(Module, Debug)]
 pub struct SlideSparseLinear<B: Backend> {
-    /// `W' [out, K']` code values.
-    pub weight: Param<Tensor<B, 2>>,
-    /// Per-output-channel scales `[out]`, in f32 on every backend.
-    pub weight_scale: Param<Tensor<B, 1>>,
+    /// `W' [out, K']` codes and per-output-channel scales, on the host.
+    pub weight: WeightCodesModule<B>,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// Pattern, precision and sizes (not persisted: the config carries them).
@@ -107,17 +110,20 @@ pub struct SlideSparseLinear<B: Backend> {
 }
 
 impl<B: Backend> SlideSparseLinear<B> {
-    /// Uploads a packed layer.
+    /// A packed layer on `device` (the codes are copied; see
+    /// [`from_packed_owned`](Self::from_packed_owned)). Only the bias is uploaded here: the
+    /// weight is prepared on the first forward (or by [`prepared`](Self::prepared)).
     pub fn from_packed(packed: &PackedLinear, device: &B::Device) -> Self {
+        Self::from_packed_owned(packed.clone(), device)
+    }
+
+    /// [`from_packed`](Self::from_packed) taking the packed layer, its codes moved.
+    pub fn from_packed_owned(packed: PackedLinear, device: &B::Device) -> Self {
         let spec = packed.spec();
-        let shape = [packed.weight.rows, packed.weight.cols];
+        let rows = packed.weight.rows;
         Self {
-            weight: float_param(packed.weight.codes.to_f32(), &shape, device),
-            weight_scale: f32_param(packed.weight.scales.clone(), &[shape[0]], device),
-            bias: packed
-                .bias
-                .as_ref()
-                .map(|b| float_param(b.clone(), &[shape[0]], device)),
+            weight: WeightCodesModule::new(packed.weight, device),
+            bias: packed.bias.map(|b| float_param(b, &[rows], device)),
             spec,
             prepared: PreparedSlot::default(),
         }
@@ -151,7 +157,7 @@ impl<B: Backend> SlideSparseLinear<B> {
             host.bias.as_deref(),
             options,
         )?;
-        Ok(Self::from_packed(&packed, &host.device))
+        Ok(Self::from_packed_owned(packed, &host.device))
     }
 
     /// Shorthand for [`from_linear`](Self::from_linear) with magnitude pruning.
@@ -172,22 +178,16 @@ impl<B: Backend> SlideSparseLinear<B> {
         )
     }
 
-    /// Reads the layer back into its portable packed form (synchronizes with the device).
+    /// The layer in its portable packed form (the codes from the host; the bias is read
+    /// from the device, which synchronizes).
     pub fn to_packed(&self, name: &str) -> Result<PackedLinear> {
         let spec = self.spec;
-        let values = to_vec_f32(self.weight.val().into_data(), "weight")?;
-        let codes = codes_from_values(values, spec.precision);
         let packed = PackedLinear {
             name: name.to_string(),
             pattern: spec.pattern,
             in_features: spec.in_features,
             alignment: spec.alignment,
-            weight: QuantizedWeight {
-                rows: spec.out_features,
-                cols: spec.k_prime(),
-                codes,
-                scales: to_vec_f32(self.weight_scale.val().into_data(), "weight scale")?,
-            },
+            weight: QuantizedWeight::clone(self.weight.weight()),
             bias: match &self.bias {
                 Some(b) => Some(to_vec_f32(b.val().into_data(), "bias")?),
                 None => None,
@@ -197,13 +197,13 @@ impl<B: Backend> SlideSparseLinear<B> {
         Ok(packed)
     }
 
-    /// The layer's tensors, for a backend's preparation.
+    /// The layer's weights, for a backend's preparation.
     pub fn packed_tensors(&self) -> PackedTensors<B> {
         PackedTensors {
             spec: self.spec,
-            weight: self.weight.val(),
-            scale: self.weight_scale.val(),
+            weight: Arc::clone(self.weight.weight()),
             bias: self.bias.as_ref().map(|b| b.val()),
+            device: self.weight.device().clone(),
         }
     }
 }
@@ -212,7 +212,7 @@ impl<B: SlideSparseBackend> SlideSparseLinear<B> {
     /// The backend's prepared weights, built once per device and parameter set.
     pub fn prepared(&self) -> Result<B::Prepared> {
         self.prepared
-            .get_or_try_init(prepared_key(&self.weight, &self.weight_scale), || {
+            .get_or_try_init(prepared_key(&self.weight), || {
                 B::slidesparse_prepare(self.packed_tensors())
             })
     }
@@ -236,26 +236,6 @@ impl<B: SlideSparseBackend> SlideSparseLinear<B> {
     }
 }
 
-/// Codes of a precision from their exact f32 values (the inverse of `WeightCodes::to_f32`).
-pub(crate) fn codes_from_values(values: Vec<f32>, precision: Precision) -> WeightCodes {
-    match precision {
-        Precision::Int8 => WeightCodes::I8(values.iter().map(|&v| v as i8).collect()),
-        Precision::Fp8 => WeightCodes::Fp8(
-            values
-                .iter()
-                .map(|&v| canonical_fp8(crate::fp8::f32_to_e4m3(v)))
-                .collect(),
-        ),
-        Precision::Bf16 => {
-            WeightCodes::Bf16(values.iter().map(|&v| half::bf16::from_f32(v)).collect())
-        }
-        Precision::F16 => {
-            WeightCodes::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect())
-        }
-        Precision::F32 => WeightCodes::F32(values),
-    }
-}
-
 /// A parameter in the backend's float type, named explicitly: burn 0.21 otherwise uses the
 /// device's default dtype, which another backend on the same device may have set.
 pub(crate) fn float_param<B: Backend, const D: usize>(
@@ -269,16 +249,6 @@ pub(crate) fn float_param<B: Backend, const D: usize>(
         device,
         <B::FloatElem as burn::tensor::Element>::dtype(),
     )
-}
-
-/// A parameter kept in f32 whatever the backend's float type: the weight scales multiply
-/// exact integer accumulators, and a bf16 scale would lose 8 bits of them.
-pub(crate) fn f32_param<B: Backend, const D: usize>(
-    values: Vec<f32>,
-    shape: &[usize],
-    device: &B::Device,
-) -> Param<Tensor<B, D>> {
-    param_of(values, shape, device, DType::F32)
 }
 
 fn param_of<B: Backend, const D: usize>(
@@ -296,15 +266,13 @@ fn param_of<B: Backend, const D: usize>(
     ))
 }
 
-/// What a layer's prepared weights depend on: its weight and scale parameters and device.
+/// What a layer's prepared weights depend on: its codes and device.
 pub(crate) fn prepared_key<B: Backend>(
-    weight: &Param<Tensor<B, 2>>,
-    scale: &Param<Tensor<B, 1>>,
+    codes: &WeightCodesModule<B>,
 ) -> crate::backend::PreparedKey {
     (
-        weight.id.val(),
-        scale.id.val(),
-        burn::tensor::backend::DeviceOps::id(&weight.device()),
+        codes.id(),
+        burn::tensor::backend::DeviceOps::id(codes.device()),
     )
 }
 

@@ -3,6 +3,8 @@
 //! [`SlideSparseLinear`](crate::SlideSparseLinear), with the dense weight (no pruning, no
 //! slide) and a dense GEMM (cuBLASLt on burn-cuda). Benchmarks compare the two like with like.
 
+use std::sync::Arc;
+
 use burn::{
     module::{Module, Param},
     nn::Linear,
@@ -11,8 +13,9 @@ use burn::{
 
 use crate::{
     backend::{DenseTensors, PreparedSlot, SlideSparseBackend},
+    codes::WeightCodesModule,
     error::Result,
-    module::{LinearOnHost, f32_param, float_param, on_rows, prepared_key},
+    module::{LinearOnHost, float_param, on_rows, prepared_key},
     quant::{Precision, QuantizedWeight, quantize_weight},
 };
 
@@ -27,12 +30,14 @@ pub struct DenseSpec {
 /// A dense linear layer `[..., in] -> [..., out]` with a quantized weight (INT8 or FP8
 /// codes with per-channel scales; BF16/F16 rounded values) and, for 8-bit precisions,
 /// per-token quantized activations.
+///
+/// Like [`SlideSparseLinear`](crate::SlideSparseLinear), the codes stay on the host and the
+/// device holds the backend's prepared copy (on CUDA, the one padded code matrix cuBLASLt
+/// reads) and the bias.
 #[derive(Module, Debug)]
 pub struct QuantizedLinear<B: Backend> {
-    /// `W [out, in]` code values.
-    pub weight: Param<Tensor<B, 2>>,
-    /// Per-output-channel scales `[out]`, in f32 on every backend.
-    pub weight_scale: Param<Tensor<B, 1>>,
+    /// `W [out, in]` codes and per-output-channel scales, on the host.
+    pub weight: WeightCodesModule<B>,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// Precision and sizes (not persisted in the record).
@@ -41,22 +46,31 @@ pub struct QuantizedLinear<B: Backend> {
 }
 
 impl<B: Backend> QuantizedLinear<B> {
-    /// Uploads a quantized `[out, in]` weight.
+    /// A quantized `[out, in]` weight on `device` (the codes are copied; only the bias is
+    /// uploaded here, the weight is prepared on the first forward).
     pub fn from_quantized(
         weight: &QuantizedWeight,
         bias: Option<&[f32]>,
         device: &B::Device,
     ) -> Self {
-        let shape = [weight.rows, weight.cols];
+        Self::from_quantized_owned(weight.clone(), bias, device)
+    }
+
+    /// [`from_quantized`](Self::from_quantized) taking the weight, its codes moved.
+    pub fn from_quantized_owned(
+        weight: QuantizedWeight,
+        bias: Option<&[f32]>,
+        device: &B::Device,
+    ) -> Self {
+        let spec = DenseSpec {
+            precision: weight.codes.precision(),
+            in_features: weight.cols,
+            out_features: weight.rows,
+        };
         Self {
-            weight: float_param(weight.codes.to_f32(), &shape, device),
-            weight_scale: f32_param(weight.scales.clone(), &[shape[0]], device),
-            bias: bias.map(|b| float_param(b.to_vec(), &[shape[0]], device)),
-            spec: DenseSpec {
-                precision: weight.codes.precision(),
-                in_features: weight.cols,
-                out_features: weight.rows,
-            },
+            bias: bias.map(|b| float_param(b.to_vec(), &[spec.out_features], device)),
+            weight: WeightCodesModule::new(weight, device),
+            spec,
             prepared: PreparedSlot::default(),
         }
     }
@@ -66,8 +80,8 @@ impl<B: Backend> QuantizedLinear<B> {
         let host = LinearOnHost::read(linear)?;
         let quantized =
             quantize_weight(&host.weight, host.out_features, host.in_features, precision);
-        Ok(Self::from_quantized(
-            &quantized,
+        Ok(Self::from_quantized_owned(
+            quantized,
             host.bias.as_deref(),
             &host.device,
         ))
@@ -75,10 +89,9 @@ impl<B: Backend> QuantizedLinear<B> {
 
     fn dense_tensors(&self) -> DenseTensors<B> {
         DenseTensors {
-            precision: self.spec.precision,
-            weight: self.weight.val(),
-            scale: self.weight_scale.val(),
+            weight: Arc::clone(self.weight.weight()),
             bias: self.bias.as_ref().map(|b| b.val()),
+            device: self.weight.device().clone(),
         }
     }
 }
@@ -87,7 +100,7 @@ impl<B: SlideSparseBackend> QuantizedLinear<B> {
     /// The backend's prepared weights, built once per device and parameter set.
     pub fn prepared(&self) -> Result<B::DensePrepared> {
         self.prepared
-            .get_or_try_init(prepared_key(&self.weight, &self.weight_scale), || {
+            .get_or_try_init(prepared_key(&self.weight), || {
                 B::dense_prepare(self.dense_tensors())
             })
     }

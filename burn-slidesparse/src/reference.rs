@@ -14,7 +14,7 @@ use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use crate::{
     backend::{DenseTensors, PackedTensors},
     fp8,
-    quant::Precision,
+    quant::{Precision, QuantizedWeight},
 };
 
 /// Floor of the per-token absmax before dividing by `QMAX`, the kernels' own value.
@@ -38,11 +38,10 @@ pub struct ReferencePrepared<B: Backend> {
     pub lift: Option<Tensor<B, 1, Int>>,
 }
 
-/// Transposes the weight for the matmul and builds the lift map.
+/// Uploads the transposed weight values for the matmul and builds the lift map.
 pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
     let spec = weights.spec;
-    let values = weights.weight;
-    let device = values.device();
+    let device = weights.device;
     let lift: Vec<i64> = spec
         .geometry()
         .lift_map_with_zero_column()
@@ -53,8 +52,8 @@ pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
     ReferencePrepared {
         precision: spec.precision,
         in_features: spec.in_features,
-        weight_t: materialized_transpose(values),
-        scale: float_row(weights.scale),
+        weight_t: transposed_values(&weights.weight, &device),
+        scale: scale_row(&weights.weight, &device),
         bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
         lift: Some(Tensor::from_data(TensorData::new(lift, [k_prime]), &device)),
     }
@@ -62,29 +61,45 @@ pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
 
 /// The dense baseline's prepared weights: the same as SlideSparse's without a lift.
 pub fn prepare_dense<B: Backend>(weights: DenseTensors<B>) -> ReferencePrepared<B> {
+    let device = weights.device.clone();
     ReferencePrepared {
-        precision: weights.precision,
-        in_features: weights.weight.dims()[1],
-        weight_t: materialized_transpose(weights.weight),
-        scale: float_row(weights.scale),
+        precision: weights.precision(),
+        in_features: weights.weight.cols,
+        weight_t: transposed_values(&weights.weight, &device),
+        scale: scale_row(&weights.weight, &device),
         bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
         lift: None,
     }
 }
 
-/// `W^T` materialized once: a transposed view would be copied by some backends (NdArray)
-/// on every matmul.
-fn materialized_transpose<B: Backend>(w: Tensor<B, 2>) -> Tensor<B, 2> {
-    let device = w.device();
-    Tensor::from_data(w.transpose().into_data(), &device)
+/// `W^T [cols, rows]` code values (INT8 integers, decoded E4M3, or the floats) in the
+/// backend's float type, transposed on the host: a transposed view would be copied by some
+/// backends (NdArray) on every matmul. Code values are exact in every float type that holds
+/// the precision (INT8 and E4M3 in bf16/f16/f32).
+fn transposed_values<B: Backend>(w: &QuantizedWeight, device: &B::Device) -> Tensor<B, 2> {
+    let values = w.codes.to_f32();
+    let (rows, cols) = (w.rows, w.cols);
+    let mut t = vec![0.0f32; values.len()];
+    for (r, row) in values.chunks_exact(cols.max(1)).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            t[c * rows + r] = v;
+        }
+    }
+    float_tensor(TensorData::new(t, [cols, rows]), device)
 }
 
-/// `[out]` scales as a `[1, out]` row in the backend's float type (they are stored in f32,
-/// see `SlideSparseLinear::weight_scale`).
-fn float_row<B: Backend>(scale: Tensor<B, 1>) -> Tensor<B, 2> {
-    scale
-        .cast(<B::FloatElem as burn::tensor::Element>::dtype())
-        .unsqueeze_dim(0)
+/// The f32 per-row scales as a `[1, out]` row in the backend's float type.
+fn scale_row<B: Backend>(w: &QuantizedWeight, device: &B::Device) -> Tensor<B, 2> {
+    float_tensor(TensorData::new(w.scales.clone(), [1, w.rows]), device)
+}
+
+/// A tensor in the backend's float type, named explicitly: burn 0.21 otherwise uses the
+/// device's default dtype, which another backend on the same device may have set.
+fn float_tensor<B: Backend>(data: TensorData, device: &B::Device) -> Tensor<B, 2> {
+    let options = burn::tensor::TensorCreationOptions::default()
+        .with_device(device.clone())
+        .with_dtype(<B::FloatElem as burn::tensor::Element>::dtype());
+    Tensor::from_data(data, options)
 }
 
 /// The lifted `X' [M, K']`: `X'[m, o] = X[m, src(o)]`, zero where `src(o)` is padding.

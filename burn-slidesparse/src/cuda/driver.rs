@@ -76,3 +76,60 @@ pub unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
     // SAFETY: the caller's contract.
     unsafe { cu::stream::synchronize(stream) }.map_err(driver_err("cuStreamSynchronize"))
 }
+
+/// A device allocation of our own, outside cubecl's pool, freed on drop: for one-off
+/// temporaries (a layer's uncompressed weight while cuSPARSELt compresses it), whose pages
+/// would otherwise stay reserved in cubecl's pool after they are freed. The device's context
+/// must be current on this thread for its whole life.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// `len` bytes (at least 1), zeroed.
+    pub fn zeroed(len: usize) -> Result<Self> {
+        let len = len.max(1);
+        // SAFETY: a plain allocation in the current context; the pointer is owned by the
+        // returned value and freed once, in `drop`.
+        let ptr = unsafe { cu::malloc_sync(len) }.map_err(driver_err("cuMemAlloc"))?;
+        let buffer = Self { ptr, len };
+        // SAFETY: `ptr` is a live allocation of `len` bytes.
+        unsafe { cu::memset_d8_sync(buffer.ptr, 0, len) }.map_err(driver_err("cuMemsetD8"))?;
+        Ok(buffer)
+    }
+
+    /// A copy of `bytes` on the device.
+    pub fn upload(bytes: &[u8]) -> Result<Self> {
+        let len = bytes.len().max(1);
+        // SAFETY: as in `zeroed`.
+        let ptr = unsafe { cu::malloc_sync(len) }.map_err(driver_err("cuMemAlloc"))?;
+        let buffer = Self { ptr, len };
+        // SAFETY: `ptr` holds `len >= bytes.len()` bytes; the copy is synchronous, so `bytes`
+        // is not read after it returns.
+        unsafe { cu::memcpy_htod_sync(buffer.ptr, bytes) }.map_err(driver_err("cuMemcpyHtoD"))?;
+        Ok(buffer)
+    }
+
+    /// The device pointer.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The first `N` bytes, read back (synchronous).
+    pub fn read<const N: usize>(&self) -> Result<[u8; N]> {
+        assert!(N <= self.len, "reading past a device buffer");
+        let mut out = [0u8; N];
+        // SAFETY: `ptr` holds at least `N` bytes; the copy is synchronous.
+        unsafe { cu::memcpy_dtoh_sync(&mut out, self.ptr) }.map_err(driver_err("cuMemcpyDtoH"))?;
+        Ok(out)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was allocated by `cuMemAlloc` and is freed exactly once; work using it
+        // was synchronized by its user before the drop (cuMemFree also waits for the device).
+        let _ = unsafe { cu::free_sync(self.ptr) };
+    }
+}

@@ -6,22 +6,21 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::{Tensor, backend::Backend};
 use cubecl::server::Handle;
-use half::{bf16, f16};
 
 use super::{
     buffers::HeldBuffer,
+    driver::DeviceBuffer,
     cusparselt::{self, MatDescriptor},
     gemm::{DenseGemm, SparseGemm},
     memory::ensure_fits,
     pipeline::{GpuLayer, QuantShape},
-    runtime::{Client, cubecl_err, device_ptr, sync_burn_stream},
+    runtime::{Client, device_ptr, sync_burn_stream},
     state::{DeviceState, device_state},
 };
 use crate::{
     backend::LayerSpec,
     error::{Result, SlideSparseError},
-    fp8::f32_to_e4m3,
-    quant::{Precision, QuantizedWeight, canonical_fp8},
+    quant::{Precision, QuantizedWeight},
 };
 
 /// Rows of cuSPARSELt's structured matrix must be a multiple of this (32 for 8-bit types,
@@ -31,27 +30,6 @@ fn sparse_n_multiple(precision: Precision) -> usize {
         32
     } else {
         16
-    }
-}
-
-/// The little-endian bytes of code values (INT8 integers, decoded E4M3 values, or floats)
-/// in the GEMM's input type.
-fn value_bytes(values: &[f32], precision: Precision) -> Vec<u8> {
-    match precision {
-        Precision::Int8 => values.iter().map(|&v| v as i8 as u8).collect(),
-        Precision::Fp8 => values
-            .iter()
-            .map(|&v| canonical_fp8(f32_to_e4m3(v)))
-            .collect(),
-        Precision::Bf16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        Precision::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        Precision::F32 => values.iter().flat_map(|&v| v.to_le_bytes()).collect(),
     }
 }
 
@@ -87,6 +65,31 @@ pub(crate) fn host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Ve
         .map_err(|e| SlideSparseError::Backend(format!("reading weights: {e:?}")))
 }
 
+/// Refuses codes that do not have the layer's precision and `[out, K']` shape.
+fn check_codes(spec: LayerSpec, weight: &QuantizedWeight) -> Result<()> {
+    let expected = (spec.out_features, spec.k_prime());
+    if weight.codes.precision() != spec.precision
+        || (weight.rows, weight.cols) != expected
+        || weight.codes.len() != expected.0 * expected.1
+        || weight.scales.len() != expected.0
+    {
+        return Err(SlideSparseError::Unsupported {
+            what: "SlideSparseLinear weight".into(),
+            why: format!(
+                "codes are {} [{}, {}] with {} scales, the layer is {} [{}, {}]",
+                weight.codes.precision(),
+                weight.rows,
+                weight.cols,
+                weight.scales.len(),
+                spec.precision,
+                expected.0,
+                expected.1
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Refuses precisions without a GPU GEMM.
 fn check_precision(what: &str, precision: Precision) -> Result<()> {
     if precision == Precision::F32 {
@@ -113,18 +116,20 @@ fn scale_and_bias(
 }
 
 impl GpuLayer<SparseGemm> {
-    /// Uploads, checks (cuSPARSELt's PruneCheck) and compresses a packed weight given as
-    /// code values `W' [out, K']`, with its per-channel scales and bias.
+    /// Uploads, checks (cuSPARSELt's PruneCheck) and compresses a packed weight `W' [out,
+    /// K']` (codes and per-channel scales), with its bias. The uncompressed upload is freed
+    /// before this returns: the layer holds the compressed weight, scales and bias only.
     pub fn new_sparse(
         client: &Client,
         device_index: usize,
         spec: LayerSpec,
-        weight: &[f32],
-        scales: &[f32],
+        weight: &QuantizedWeight,
         bias: Option<&[f32]>,
     ) -> Result<Self> {
         let precision = spec.precision;
         check_precision("SlideSparseLinear", precision)?;
+        check_codes(spec, weight)?;
+        let scales = &weight.scales;
         let geometry = spec.geometry();
         let (n, k_prime) = (spec.out_features, geometry.k_prime());
         let n_pad = n.next_multiple_of(sparse_n_multiple(precision));
@@ -136,13 +141,12 @@ impl GpuLayer<SparseGemm> {
             "SlideSparseLinear weights".into()
         })?;
         let bytes = padded(
-            &value_bytes(weight, precision),
+            &weight.codes.to_le_bytes(),
             (n, k_prime),
             (n_pad, k_prime),
             precision.element_bytes(),
         );
-        let dense = client.create_from_slice(&bytes);
-        let compressed = compress(client, &state, &dense, (k_prime, n_pad), precision)?;
+        let compressed = compress(client, &state, &bytes, (k_prime, n_pad), precision)?;
         let mut alpha = scales.to_vec();
         alpha.resize(n_pad, 0.0);
         let (scale, bias) = scale_and_bias(client, scales, bias);
@@ -170,12 +174,14 @@ impl GpuLayer<SparseGemm> {
     }
 }
 
-/// Checks that `dense` (a `[n_pad, k']` 2:4 weight) is valid 2:4 and compresses it for
-/// cuSPARSELt; blocking (it runs once per layer).
+/// Checks that `dense` (the bytes of a `[n_pad, k']` 2:4 weight) is valid 2:4 and
+/// compresses it for cuSPARSELt; blocking (it runs once per layer). The uncompressed copy and
+/// cuSPARSELt's buffer are driver allocations of their own, freed before this returns: from
+/// cubecl's pool they would stay reserved there (1.5x the dense weight per 6:8 layer).
 fn compress(
     client: &Client,
     state: &Mutex<DeviceState>,
-    dense: &Handle,
+    dense: &[u8],
     (k_prime, n_pad): (usize, usize),
     precision: Precision,
 ) -> Result<Handle> {
@@ -184,33 +190,33 @@ fn compress(
     let desc = MatDescriptor::structured(&state.lt, k_prime, n_pad, precision)?;
     let sizes = cusparselt::compressed_sizes(&state.lt, &desc)?;
     let compressed = client.empty(sizes.compressed.max(16));
-    let buffer = client.empty(sizes.buffer.max(16));
+    let p_comp = device_ptr(client, &compressed)?;
+    sync_burn_stream(client)?; // the allocation is ready before our stream writes it
+    let dense = DeviceBuffer::upload(dense)?;
+    let buffer = DeviceBuffer::zeroed(sizes.buffer)?;
     // Zeroed: cuSPARSELt sets it to nonzero on a violation.
-    let valid = client.create_from_slice(&[0; 4]);
-    let (p_dense, p_comp, p_buf, p_valid) = (
-        device_ptr(client, dense)?,
-        device_ptr(client, &compressed)?,
-        device_ptr(client, &buffer)?,
-        device_ptr(client, &valid)?,
-    );
-    sync_burn_stream(client)?; // uploads done before our stream reads them
-    // SAFETY: the pointers are live cubecl allocations of the sizes cuSPARSELt asked for; the
-    // handles are held until after the synchronization below.
+    let valid = DeviceBuffer::zeroed(4)?;
+    // SAFETY: the pointers are live allocations of the sizes cuSPARSELt asked for (the
+    // uncompressed weight is `n_pad * k'` elements); they are held until after the
+    // synchronization below.
     unsafe {
-        cusparselt::prune_check(&state.lt, &desc, p_dense, p_valid, state.stream as _)?;
-        cusparselt::compress(&state.lt, &desc, p_dense, p_comp, p_buf, state.stream as _)?;
+        cusparselt::prune_check(&state.lt, &desc, dense.ptr(), valid.ptr(), state.stream as _)?;
+        cusparselt::compress(
+            &state.lt,
+            &desc,
+            dense.ptr(),
+            p_comp,
+            buffer.ptr(),
+            state.stream as _,
+        )?;
     }
     state.synchronize()?;
     desc.destroy(&state.lt)?;
-    let flag = client
-        .read_one(valid)
-        .map_err(|e| cubecl_err("read_one (PruneCheck result)")(&e))?;
-    if flag[..4] != [0, 0, 0, 0] {
+    if valid.read::<4>()? != [0, 0, 0, 0] {
         return Err(SlideSparseError::PruneCheckRejected {
             tensor: "SlideSparseLinear weight".into(),
         });
     }
-    drop(buffer);
     Ok(compressed)
 }
 
@@ -231,20 +237,6 @@ impl GpuLayer<DenseGemm> {
             &weight.scales,
             bias,
         )
-    }
-
-    /// The dense baseline from code values `W [n, k]` (INT8 integers, decoded E4M3 values,
-    /// or floats).
-    pub fn from_values(
-        client: &Client,
-        device_index: usize,
-        precision: Precision,
-        (values, n, k): (&[f32], usize, usize),
-        scales: &[f32],
-        bias: Option<&[f32]>,
-    ) -> Result<Self> {
-        let bytes = value_bytes(values, precision);
-        Self::from_code_bytes(client, device_index, precision, (&bytes, n, k), scales, bias)
     }
 
     fn from_code_bytes(

@@ -4,12 +4,14 @@
 //!
 //! For each model, M and precision: one transformer block's four layers (6:8 SlideSparse and
 //! the dense quantized baseline), back to back, ms per forward summed over the block, and
-//! the fusion/plain ratio.
+//! the fusion/plain ratio; and four identity custom operations at the same shapes, which is
+//! what fusion's custom-operation path costs by itself.
 
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 use burn_slidesparse::{
     PackOptions, QuantizedLinear, SlideSparseLinear, SparsityPattern,
-    internals::quant::quantize_weight, pack_linear,
+    internals::{fusion::identity_custom_op, quant::quantize_weight},
+    pack_linear,
 };
 
 use super::{
@@ -55,9 +57,9 @@ pub fn fusion_bench(args: &Args) {
         "Whole layers on burn's fusion backend vs the plain CubeBackend (same process), summed over the block's 4 layers, ms per forward"
     );
     println!(
-        "| model | precision | M | 6:8 plain | 6:8 fusion | 6:8 fusion/plain | dense plain | dense fusion | dense fusion/plain |"
+        "| model | precision | M | 6:8 plain | 6:8 fusion | 6:8 fusion/plain | dense plain | dense fusion | dense fusion/plain | 4 identity custom ops (fusion) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut json = Vec::new();
     for model in parse_list(&args.models) {
         for &precision in &precisions {
@@ -101,15 +103,19 @@ pub fn fusion_bench(args: &Args) {
                 let df = block_ms::<Fused>(&device, reps, layers, |l, i| {
                     let _ = dense[l].fused.forward(xf[l][i % 4].clone());
                 });
+                // What fusion's custom-operation path costs alone, at the same shapes.
+                let id = block_ms::<Fused>(&device, reps, layers, |l, i| {
+                    let _ = identity_custom_op(xf[l][i % 4].clone());
+                });
                 println!(
-                    "| {model} | {precision} | {m} | {sp:.3} | {sf:.3} | {:.3} | {dp:.3} | {df:.3} | {:.3} |",
+                    "| {model} | {precision} | {m} | {sp:.3} | {sf:.3} | {:.3} | {dp:.3} | {df:.3} | {:.3} | {id:.3} |",
                     sf / sp,
                     df / dp
                 );
                 json.push(serde_json::json!({
                     "model": model, "precision": precision.to_string(), "m": m,
                     "sparse_plain_ms": sp, "sparse_fusion_ms": sf,
-                    "dense_plain_ms": dp, "dense_fusion_ms": df,
+                    "dense_plain_ms": dp, "dense_fusion_ms": df, "identity_ops_ms": id,
                 }));
             }
         }
