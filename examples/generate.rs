@@ -16,7 +16,7 @@ use burn::{
 };
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern, gguf::GgufFile,
-    prepare_all, sparsify_with,
+    load_packed_file, prepare_all, sparsify_with,
 };
 use clap::Parser;
 use indicatif::ProgressBar;
@@ -25,7 +25,7 @@ use slidesparse_examples::{
     eval::calibration_norms,
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
-    hf_llama::load_hf_llama,
+    hf_llama::{load_hf_llama, load_hf_packed},
     llama::{KvCache, Llama},
     sampling::Sampling,
     tokenizer::Tokenizer,
@@ -74,6 +74,11 @@ struct Args {
     /// exists, else a short built-in text).
     #[arg(long)]
     calibration: Option<PathBuf>,
+    /// A packed file to run instead of pruning here: the output of `slidesparse pack` of the
+    /// `--hf` checkpoint, or of the `finetune_then_pack` example (for the GGUF model).
+    /// `--pattern`, `--precision` and `--prune` do not apply.
+    #[arg(long)]
+    packed: Option<PathBuf>,
     /// `cpu` (the reference backend) or, with `--features cuda`, `cuda` (burn-cuda, f32
     /// activations; the SlideSparse layers run quant+lift, cuSPARSELt and the epilogue).
     #[arg(long, default_value = "cpu")]
@@ -180,6 +185,54 @@ each had sailed from. An old teacher explained to them that every ship keeps a l
 weather, the course, the cargo, and the names of the people on board. Writing things down, \
 she said, is how sailors remember what the sea would rather they forgot. ";
 
+/// Prunes (Wanda or magnitude) and packs every block linear in process; returns the label of
+/// the result.
+fn prune_and_pack<B: SlideSparseBackend>(
+    args: &Args,
+    model: &mut Llama<B>,
+    tok: &Tokenizer,
+) -> Result<String, Error> {
+    let norms = match args.prune.as_str() {
+        "wanda" => Some(calibration_norms(
+            &*model,
+            &tok.encode(&calibration_text(args.calibration.as_deref())?)?,
+            256,
+        )),
+        "magnitude" => None,
+        other => return Err(format!("unknown --prune {other}: wanda or magnitude").into()),
+    };
+    let bar = ProgressBar::new(7 * model.blocks.len() as u64).with_message(format!(
+        "pruning ({}) and packing {} {}",
+        args.prune, args.pattern, args.precision
+    ));
+    let packed = sparsify_with(model, |name| {
+        if name == "lm_head" {
+            return None;
+        }
+        bar.inc(1);
+        let prune = match &norms {
+            Some(norms) => PruneMethod::ActivationAware {
+                input_norms: norms.get(name)?.clone(),
+            },
+            None => PruneMethod::Magnitude,
+        };
+        Some(PackOptions {
+            pattern: args.pattern,
+            precision: args.precision,
+            prune,
+            alignment: 64,
+        })
+    })?;
+    bar.finish_and_clear();
+    Ok(format!(
+        "{} {} ({} layers packed, {} pruning, LM head dense)",
+        args.pattern,
+        args.precision,
+        packed.len(),
+        args.prune
+    ))
+}
+
 fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Error> {
     let (mut model, tok) = match &args.hf {
         Some(dir) => {
@@ -218,50 +271,24 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Err
             generate(&model, &tok, &prompt, args.tokens, sampling, args.seed)?,
         ));
     }
-    let norms = match args.prune.as_str() {
-        "wanda" => Some(calibration_norms(
-            &model,
-            &tok.encode(&calibration_text(args.calibration.as_deref())?)?,
-            256,
-        )),
-        "magnitude" => None,
-        other => return Err(format!("unknown --prune {other}: wanda or magnitude").into()),
-    };
-    let bar = ProgressBar::new(7 * model.blocks.len() as u64).with_message(format!(
-        "pruning ({}) and packing {} {}",
-        args.prune, args.pattern, args.precision
-    ));
-    let packed = sparsify_with(&mut model, |name| {
-        if name == "lm_head" {
-            return None;
+    let label = match &args.packed {
+        Some(packed) => {
+            let loaded = match &args.hf {
+                Some(dir) => load_hf_packed(&mut model, dir, packed)?,
+                None => load_packed_file(&mut model, packed, |name| name.to_string())?,
+            };
+            format!("{} ({} layers)", packed.display(), loaded.len())
         }
-        bar.inc(1);
-        let prune = match &norms {
-            Some(norms) => PruneMethod::ActivationAware {
-                input_norms: norms.get(name)?.clone(),
-            },
-            None => PruneMethod::Magnitude,
-        };
-        Some(PackOptions {
-            pattern: args.pattern,
-            precision: args.precision,
-            prune,
-            alignment: 64,
-        })
-    })?;
-    bar.finish_and_clear();
+        None => prune_and_pack(args, &mut model, &tok)?,
+    };
     // Compress and upload every layer now, not inside the first token's timing.
     prepare_all(&mut model)?;
-    println!(
-        "--- SlideSparse {} {} ({} layers packed, {} pruning, LM head dense) ---\n{}",
-        args.pattern,
-        args.precision,
-        packed.len(),
-        args.prune,
-        args.prompt
-    );
+    println!("--- SlideSparse {label} ---\n{}", args.prompt);
     results.push((
-        format!("{} {}", args.pattern, args.precision),
+        match &args.packed {
+            Some(_) => "packed".to_string(),
+            None => format!("{} {}", args.pattern, args.precision),
+        },
         generate(&model, &tok, &prompt, args.tokens, sampling, args.seed)?,
     ));
     println!(

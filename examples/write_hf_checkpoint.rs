@@ -1,7 +1,8 @@
 //! Writes a random Hugging Face Llama checkpoint folder (`config.json`, safetensors shards
-//! and their index) of any shape, tensor by tensor, so that loading can be measured at model
-//! scale without downloading weights. The values are uniform noise: the folder is for timing
-//! and memory measurements, not for generating text.
+//! and their index, and a byte-level `tokenizer.json` when the vocabulary has >= 256 tokens)
+//! of any shape, tensor by tensor, so that loading, packing and serving can be run at model
+//! scale without downloading weights. The values are uniform noise: the folder is for timing,
+//! memory and flow checks; what `generate` prints from it is noise too.
 //!
 //! `cargo run --release -p slidesparse-examples --example write_hf_checkpoint -- DIR
 //! --hidden 2048 --intermediate 5632 --layers 22 --heads 32 --kv-heads 4 --vocab 32000`
@@ -14,6 +15,7 @@ use std::{
 
 use clap::Parser;
 use rand::{Rng, SeedableRng, rngs::StdRng};
+use slidesparse_examples::tokenizer::byte_level_tokenizer_json;
 
 #[derive(Parser)]
 struct Args {
@@ -161,6 +163,11 @@ fn main() -> Result<(), Error> {
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
     });
     std::fs::write(args.dir.join("config.json"), config.to_string())?;
+    // A byte-level vocabulary (token b is byte b) so that `generate --hf` runs on the folder;
+    // the text it generates is noise, like the weights.
+    if args.vocab >= 256 {
+        std::fs::write(args.dir.join("tokenizer.json"), byte_level_tokenizer_json())?;
+    }
     println!(
         "wrote {} ({n} file(s), {:.2} GB)",
         args.dir.display(),

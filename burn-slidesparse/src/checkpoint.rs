@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::{
     error::{Result, SlideSparseError},
+    files::map_file,
     format::{self, LayerMeta, OwnedTensor, PackedFile},
     pack::{PackOptions, PackStats, pack_linear, prune_and_quantize},
     prune::PruneMethod,
@@ -75,14 +76,6 @@ pub struct PackReport {
     pub seconds: f64,
     /// Input bytes over wall time.
     pub megabytes_per_second: f64,
-}
-
-fn map_file(path: &Path) -> Result<memmap2::Mmap> {
-    let file = std::fs::File::open(path).map_err(|e| SlideSparseError::io(path, e))?;
-    // SAFETY: the file is only read; concurrent truncation by another process would be a
-    // user error that the safetensors bounds checks turn into an error or a SIGBUS, as with
-    // any memory-mapped reader.
-    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| SlideSparseError::io(path, e))
 }
 
 fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {

@@ -194,6 +194,16 @@ pub enum SlideSparseError {
     #[error("an earlier fused SlideSparse forward failed (its output was set to NaN): {0}")]
     Deferred(Box<SlideSparseError>),
 
+    /// A packed file that does not fit the model it is loaded into: a layer the model does
+    /// not list, or one of other sizes or bias than the model's layer of that name.
+    #[error("loading packed layers from {path}: {detail}")]
+    PackedMismatch {
+        /// The packed file.
+        path: String,
+        /// Which layer, and what differs.
+        detail: String,
+    },
+
     /// A saved record that cannot be loaded into the model: unreadable, or of other layer
     /// kinds than the model's (a sparse record into a dense-built model).
     #[error("loading a record: {detail}")]

@@ -1,5 +1,5 @@
-//! Writing files so that a crash or a full disk never leaves a half-written file under the
-//! final name (packed files, checkpoints, the GPU algorithm cache).
+//! Files: writing so that a crash or a full disk never leaves a half-written file under the
+//! final name (packed files, checkpoints, the GPU algorithm cache); memory-mapped reading.
 
 use std::{
     fs::File,
@@ -72,4 +72,13 @@ mod tests {
     fn a_path_without_a_file_name_is_an_error() {
         assert!(write_atomically(Path::new("/"), b"x").is_err());
     }
+}
+
+/// Memory-maps a file for reading.
+pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| SlideSparseError::io(path, e))?;
+    // SAFETY: the file is only read; concurrent truncation by another process would be a
+    // user error that the safetensors bounds checks turn into an error or a SIGBUS, as with
+    // any memory-mapped reader.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| SlideSparseError::io(path, e))
 }

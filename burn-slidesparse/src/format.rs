@@ -212,9 +212,10 @@ pub struct PackedFile {
 }
 
 impl PackedFile {
-    /// Reads and fully checks a packed file.
+    /// Reads and fully checks a packed file (memory-mapped: the host holds the parsed
+    /// layers, not a second copy of the file).
     pub fn load(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| SlideSparseError::io(path, e))?;
+        let bytes = crate::files::map_file(path)?;
         Self::from_bytes(&path.display().to_string(), &bytes)
     }
 

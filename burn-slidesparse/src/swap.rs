@@ -5,7 +5,12 @@
 //! [`MaybeSparseLinear`] fields and lists them through [`VisitLinears`]; [`sparsify`] then
 //! packs every listed layer that the filter accepts (e.g. everything but the LM head).
 
-use std::{any::Any, panic::AssertUnwindSafe, path::PathBuf};
+use std::{
+    any::Any,
+    collections::HashMap,
+    panic::AssertUnwindSafe,
+    path::{Path, PathBuf},
+};
 
 use burn::{
     module::{Module, ModuleVisitor},
@@ -17,9 +22,10 @@ use burn::{
 use crate::{
     backend::SlideSparseBackend,
     error::{Result, SlideSparseError},
+    format::PackedFile,
     masked::MaskedLinear,
     module::SlideSparseLinear,
-    pack::PackOptions,
+    pack::{PackOptions, PackedLinear},
     pattern::SparsityPattern,
     prune::PruneMethod,
     quant::Precision,
@@ -113,6 +119,41 @@ impl<B: Backend> MaybeSparseLinear<B> {
             Self::Masked(_) => "Masked",
             Self::Sparse(_) => "Sparse",
             Self::Quantized(_) => "Quantized",
+        }
+    }
+
+    /// `(in_features, out_features)` of the layer, whichever kind it is (without
+    /// initializing a lazily initialized dense weight).
+    pub fn features(&self) -> (usize, usize) {
+        let linear = |l: &Linear<B>| {
+            let shape = l.weight.lazy_shape();
+            (shape[0], shape[1])
+        };
+        match self {
+            Self::Dense(layer) => linear(layer),
+            Self::Masked(layer) => linear(&layer.linear),
+            Self::Sparse(layer) => (layer.spec.in_features, layer.spec.out_features),
+            Self::Quantized(layer) => (layer.spec.in_features, layer.spec.out_features),
+        }
+    }
+
+    /// Whether the layer has a bias.
+    pub fn has_bias(&self) -> bool {
+        match self {
+            Self::Dense(layer) => layer.bias.is_some(),
+            Self::Masked(layer) => layer.linear.bias.is_some(),
+            Self::Sparse(layer) => layer.bias.is_some(),
+            Self::Quantized(layer) => layer.bias.is_some(),
+        }
+    }
+
+    /// The device the layer lives on (without initializing a lazy dense weight).
+    pub fn device(&self) -> B::Device {
+        match self {
+            Self::Dense(layer) => layer.weight.lazy_device(),
+            Self::Masked(layer) => layer.linear.weight.lazy_device(),
+            Self::Sparse(layer) => layer.weight.device().clone(),
+            Self::Quantized(layer) => layer.weight.device().clone(),
         }
     }
 
@@ -276,6 +317,96 @@ pub fn sparsify_with<B: Backend, M: VisitLinears<B>>(
         Ok(())
     })?;
     Ok(packed)
+}
+
+/// Replaces the linear layers of `model` by the packed layers of `file` (the output of
+/// `slidesparse pack`, [`pack_checkpoint`](crate::pack_checkpoint) or
+/// [`save_layers`](crate::save_layers)); returns the model's names of the layers replaced.
+/// `file_name(model_name)` gives the file's name (its tensor's prefix, e.g.
+/// `model.layers.0.self_attn.q_proj`) of a model layer; layers the file does not hold are
+/// left as they are (e.g. an unpacked LM head).
+///
+/// Every layer of the file must be used and fit: a file layer no model layer maps to, or one
+/// whose sizes or bias differ from the model's layer, is a
+/// [`SlideSparseError::PackedMismatch`] and the model is left unchanged. The codes are moved
+/// out of `file`, not copied.
+pub fn load_packed<B: Backend, M: VisitLinears<B>>(
+    model: &mut M,
+    file: PackedFile,
+    path: &str,
+    file_name: impl Fn(&str) -> String,
+) -> Result<Vec<String>> {
+    let mismatch = |detail: String| SlideSparseError::PackedMismatch {
+        path: path.to_string(),
+        detail,
+    };
+    let mut layers: HashMap<String, PackedLinear> = file
+        .layers
+        .into_iter()
+        .map(|l| (crate::format::prefix_of(&l.name), l))
+        .collect();
+    // Check every layer before replacing any, so an error leaves the model as it was.
+    let mut assignment = Vec::new();
+    model.visit_linears(&mut |name, layer| {
+        let key = file_name(name);
+        if let Some(packed) = layers.get(&key) {
+            let packed_features = (packed.in_features, packed.out_features());
+            if packed_features != layer.features() || packed.bias.is_some() != layer.has_bias() {
+                return Err(mismatch(format!(
+                    "{key} is (in, out) = {packed_features:?} {}, the model's {name} is {:?} {}",
+                    bias_word(packed.bias.is_some()),
+                    layer.features(),
+                    bias_word(layer.has_bias()),
+                )));
+            }
+            assignment.push((name.to_string(), key));
+        }
+        Ok(())
+    })?;
+    let mut used = std::collections::HashSet::new();
+    for (name, key) in &assignment {
+        if !used.insert(key) {
+            return Err(mismatch(format!(
+                "two model layers (one of them {name}) map to the file's layer {key}"
+            )));
+        }
+    }
+    let mut unused: Vec<&String> = layers.keys().filter(|k| !used.contains(k)).collect();
+    if !unused.is_empty() {
+        unused.sort();
+        return Err(mismatch(format!(
+            "no model layer maps to the file's layer(s) {}",
+            unused
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let mut loaded = Vec::new();
+    model.visit_linears(&mut |name, layer| {
+        if let Some(packed) = layers.remove(&file_name(name)) {
+            let device = layer.device();
+            *layer = SlideSparseLinear::from_packed_owned(packed, &device).into();
+            loaded.push(name.to_string());
+        }
+        Ok(())
+    })?;
+    Ok(loaded)
+}
+
+/// [`load_packed`] from a file on disk (fully checked as it is read).
+pub fn load_packed_file<B: Backend, M: VisitLinears<B>>(
+    model: &mut M,
+    path: &Path,
+    file_name: impl Fn(&str) -> String,
+) -> Result<Vec<String>> {
+    let file = PackedFile::load(path)?;
+    load_packed(model, file, &path.display().to_string(), file_name)
+}
+
+fn bias_word(bias: bool) -> &'static str {
+    if bias { "with bias" } else { "without bias" }
 }
 
 /// Builds every SlideSparse and dense-quantized layer's prepared weights now (on the CUDA

@@ -18,7 +18,10 @@ use burn::{
     nn::{Embedding, RmsNorm},
     tensor::{Tensor, TensorData, backend::Backend},
 };
-use burn_slidesparse::{SlideSparseError, internals::format::read_f32};
+use burn_slidesparse::{
+    PackedFile, PackedLinear, SlideSparseError, WeightCodes, internals::format::read_f32,
+    load_packed,
+};
 
 use crate::{
     gguf_llama::linear_from_rows,
@@ -217,15 +220,15 @@ pub fn adjacent_to_rotate_half(
     permute_head_rows(values, heads, head_dim, row_len, false)
 }
 
-fn permute_head_rows(
-    values: &[f32],
+fn permute_head_rows<T: Copy + Default>(
+    values: &[T],
     heads: usize,
     head_dim: usize,
     row_len: usize,
     to_adjacent: bool,
-) -> Vec<f32> {
+) -> Vec<T> {
     let half = head_dim / 2;
-    let mut out = vec![0f32; values.len()];
+    let mut out = vec![T::default(); values.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
@@ -241,6 +244,68 @@ fn permute_head_rows(
         }
     }
     out
+}
+
+/// The packed file's name (tensor prefix) of a model layer of a Hugging Face checkpoint:
+/// `layers.3.q_proj` -> `model.layers.3.self_attn.q_proj`, `layers.3.up_proj` ->
+/// `model.layers.3.mlp.up_proj`.
+pub fn hf_layer_name(model_name: &str) -> String {
+    let Some(rest) = model_name.strip_prefix("layers.") else {
+        return model_name.to_string();
+    };
+    let Some((block, proj)) = rest.split_once('.') else {
+        return model_name.to_string();
+    };
+    let group = match proj {
+        "q_proj" | "k_proj" | "v_proj" | "o_proj" => "self_attn",
+        _ => "mlp",
+    };
+    format!("model.layers.{block}.{group}.{proj}")
+}
+
+/// Replaces the block linears of a model loaded with [`load_hf_llama`] from `dir` by the
+/// layers of `packed` (`slidesparse pack` of that checkpoint); returns the layers replaced.
+/// The q/k rows are reordered as the loader reorders the dense ones (rows are independent in
+/// a packed layer: codes, scale and bias move together, exactly).
+pub fn load_hf_packed<B: Backend>(
+    model: &mut Llama<B>,
+    dir: &Path,
+    packed: &Path,
+) -> Result<Vec<String>, SlideSparseError> {
+    let json = std::fs::read_to_string(dir.join("config.json"))
+        .map_err(|e| err(format!("{}: {e}", dir.join("config.json").display())))?;
+    let config = config_from_json(&json)?;
+    let mut file = PackedFile::load(packed)?;
+    for layer in &mut file.layers {
+        let heads = if layer.name.ends_with("self_attn.q_proj.weight") {
+            config.heads
+        } else if layer.name.ends_with("self_attn.k_proj.weight") {
+            config.kv_heads
+        } else {
+            continue;
+        };
+        to_adjacent_rows(layer, heads, config.head_dim());
+    }
+    load_packed(model, file, &packed.display().to_string(), hf_layer_name)
+}
+
+/// [`rotate_half_to_adjacent`] on the rows of a packed layer.
+fn to_adjacent_rows(layer: &mut PackedLinear, heads: usize, head_dim: usize) {
+    let w = &mut layer.weight;
+    let cols = w.cols;
+    w.codes = match &w.codes {
+        WeightCodes::I8(v) => WeightCodes::I8(permute_head_rows(v, heads, head_dim, cols, true)),
+        WeightCodes::Fp8(v) => WeightCodes::Fp8(permute_head_rows(v, heads, head_dim, cols, true)),
+        WeightCodes::Bf16(v) => {
+            WeightCodes::Bf16(permute_head_rows(v, heads, head_dim, cols, true))
+        }
+        WeightCodes::F16(v) => WeightCodes::F16(permute_head_rows(v, heads, head_dim, cols, true)),
+        WeightCodes::F32(v) => WeightCodes::F32(permute_head_rows(v, heads, head_dim, cols, true)),
+    };
+    w.scales = permute_head_rows(&w.scales, heads, head_dim, 1, true);
+    if let Some(b) = &layer.bias {
+        layer.bias = Some(permute_head_rows(b, heads, head_dim, 1, true));
+    }
 }
 
 /// Builds the model from a Hugging Face checkpoint folder.
@@ -389,4 +454,124 @@ mod tests {
             }
         }
     }
+}
+
+/// `[out, in]` rows of a dense layer of the model (burn stores `[in, out]`).
+fn rows_of<B: Backend>(
+    layer: &burn_slidesparse::MaybeSparseLinear<B>,
+    name: &str,
+) -> Result<(Vec<f32>, Vec<usize>), SlideSparseError> {
+    let w = layer
+        .dense()
+        .ok_or_else(|| err(format!("{name}: only dense layers can be written")))?
+        .weight
+        .val()
+        .transpose();
+    let shape = w.dims().to_vec();
+    Ok((
+        w.into_data()
+            .convert::<f32>()
+            .into_vec()
+            .map_err(|e| err(format!("{name}: {e:?}")))?,
+        shape,
+    ))
+}
+
+/// Writes `model` (dense layers) as a Hugging Face Qwen2-style checkpoint folder
+/// (`config.json` + f32 `model.safetensors`, Q/K rows and biases in the rotate-half layout):
+/// what [`load_hf_llama`] reads back to the same model.
+pub fn write_hf_checkpoint<B: Backend>(
+    model: &Llama<B>,
+    config: &LlamaConfig,
+    dir: &Path,
+) -> Result<(), SlideSparseError> {
+    use burn_slidesparse::internals::format::{OwnedTensor, f32_bytes, serialize};
+    let hd = config.head_dim();
+    let mut tensors = Vec::new();
+    let mut add = |name: String, values: Vec<f32>, shape: Vec<usize>| {
+        tensors.push((
+            name,
+            OwnedTensor {
+                dtype: safetensors::Dtype::F32,
+                shape,
+                data: f32_bytes(&values),
+            },
+        ));
+    };
+    let vec1 = |t: Tensor<B, 1>| -> Vec<f32> {
+        t.into_data()
+            .convert::<f32>()
+            .into_vec()
+            .unwrap_or_default()
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        model
+            .embed
+            .weight
+            .val()
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .map_err(|e| err(format!("embedding: {e:?}")))?,
+        vec![config.vocab_size, config.hidden],
+    );
+    for (i, b) in model.blocks.iter().enumerate() {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        for (name, layer, heads) in [
+            ("self_attn.q_proj", &b.q, config.heads),
+            ("self_attn.k_proj", &b.k, config.kv_heads),
+            ("self_attn.v_proj", &b.v, 0),
+            ("self_attn.o_proj", &b.o, 0),
+            ("mlp.gate_proj", &b.gate, 0),
+            ("mlp.up_proj", &b.up, 0),
+            ("mlp.down_proj", &b.down, 0),
+        ] {
+            let (w, shape) = rows_of(layer, name)?;
+            let w = if heads > 0 {
+                adjacent_to_rotate_half(&w, heads, hd, shape[1])
+            } else {
+                w
+            };
+            add(p(&format!("{name}.weight")), w, shape.clone());
+            if let Some(bias) = layer.dense().and_then(|d| d.bias.as_ref()) {
+                let v = vec1(bias.val());
+                let v = if heads > 0 {
+                    adjacent_to_rotate_half(&v, heads, hd, 1)
+                } else {
+                    v
+                };
+                add(p(&format!("{name}.bias")), v, vec![shape[0]]);
+            }
+        }
+        add(
+            p("input_layernorm.weight"),
+            vec1(b.attn_norm.gamma.val()),
+            vec![config.hidden],
+        );
+        add(
+            p("post_attention_layernorm.weight"),
+            vec1(b.mlp_norm.gamma.val()),
+            vec![config.hidden],
+        );
+    }
+    add(
+        "model.norm.weight".into(),
+        vec1(model.norm.gamma.val()),
+        vec![config.hidden],
+    );
+    let (head, shape) = rows_of(&model.lm_head, "lm_head")?;
+    add("lm_head.weight".into(), head, shape);
+    let io = |path: PathBuf| move |e| SlideSparseError::io(&path, e);
+    let st = dir.join("model.safetensors");
+    std::fs::write(&st, serialize(&tensors, Default::default())?).map_err(io(st.clone()))?;
+    let config_json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": config.vocab_size, "hidden_size": config.hidden,
+        "intermediate_size": config.intermediate, "num_hidden_layers": config.layers,
+        "num_attention_heads": config.heads, "num_key_value_heads": config.kv_heads,
+        "rope_theta": config.rope_base, "rms_norm_eps": config.rms_eps,
+        "tie_word_embeddings": false,
+    });
+    let json = dir.join("config.json");
+    std::fs::write(&json, config_json.to_string()).map_err(io(json.clone()))
 }

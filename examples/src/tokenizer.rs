@@ -83,6 +83,29 @@ fn byte_level_alphabet() -> Vec<char> {
         .collect()
 }
 
+/// A `tokenizer.json` of plain byte-level BPE without merges: token `b` is byte `b` (256
+/// tokens). For checkpoints written with random weights, where no real vocabulary exists.
+pub fn byte_level_tokenizer_json() -> String {
+    let vocab: serde_json::Map<String, Value> = byte_level_alphabet()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i.into()))
+        .collect();
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    json!({
+        "version": "1.0",
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []},
+    })
+    .to_string()
+}
+
 /// The `tokenizer.json` pre-tokenizer (and normalizer) of a GGUF `tokenizer.ggml.pre`, and
 /// whether whole words found in the vocabulary skip the merges (Llama-3's `ignore_merges`).
 fn gguf_pre_tokenizer(pre: &str) -> Result<(Value, Value, bool), SlideSparseError> {
