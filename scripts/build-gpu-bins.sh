@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the stripped release binaries for the GPU host into gpu-bin/ (git-ignored):
-# gpu-tests (the #[ignore]d GPU tests), slidesparse-bench and the model_throughput example,
-# plus gpu-bin/gpu-bin.tar.xz holding all three (carry that one alone to the GPU host).
+# gpu-tests (the #[ignore]d GPU tests), slidesparse-bench, the model_throughput and
+# pack_timing examples, plus gpu-bin/gpu-bin.tar.xz holding them all (carry that one alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p gpu-bin
@@ -13,10 +13,10 @@ for line in sys.stdin:
         print(m["executable"])')
 cp "$test_exe" gpu-bin/gpu-tests
 cargo build --release -p burn-slidesparse --features cuda,cli --bin slidesparse-bench
-cargo build --release -p slidesparse-examples --features cuda --example model_throughput
-cp target/release/slidesparse-bench target/release/examples/model_throughput gpu-bin/
+cargo build --release -p slidesparse-examples --features cuda --example model_throughput --example pack_timing
+cp target/release/slidesparse-bench target/release/examples/model_throughput target/release/examples/pack_timing gpu-bin/
 rm -f gpu-bin/slidesparse
 # The device tool carries at most 64 MiB: ship the binaries xz-compressed (gpu-run.sh unpacks).
-tar -C gpu-bin -cJf gpu-bin.tar.xz gpu-tests slidesparse-bench model_throughput
+tar -C gpu-bin -cJf gpu-bin.tar.xz gpu-tests slidesparse-bench model_throughput pack_timing
 mv gpu-bin.tar.xz gpu-bin/
 ls -la gpu-bin

@@ -64,3 +64,45 @@ pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u6
     let in_use = pool.bytes_in_use + pool.bytes_padding;
     Ok((driver_free as u64 + pool_free).min((total as u64).saturating_sub(in_use)))
 }
+
+/// Device memory as the allocator and the driver see it, for reports.
+#[derive(Clone, Copy, Debug)]
+pub struct MemoryReport {
+    /// Bytes of live cubecl allocations (padding included).
+    pub allocator_in_use: u64,
+    /// Bytes cubecl's pools hold from the driver, used or not.
+    pub allocator_reserved: u64,
+    /// The driver's used bytes (total less free): every allocation of the process (cubecl's
+    /// pools, the libraries' workspaces, the CUDA context) and of other processes.
+    pub driver_used: u64,
+    /// The device's memory.
+    pub total: u64,
+}
+
+/// What `device` holds now, after everything queued on burn's stream of this thread has run
+/// (it synchronizes: for reports only).
+pub fn memory_report(device: &cubecl::cuda::CudaDevice) -> Result<MemoryReport> {
+    let client = <super::runtime::Runtime as cubecl::Runtime>::client(device);
+    super::runtime::sync_burn_stream(&client)?;
+    let state = super::state::device_state(device.index)?;
+    let (free, total) = {
+        let state = state.lock().unwrap_or_else(|e| e.into_inner());
+        state.make_current()?;
+        cu::mem_get_info().map_err(driver_err("cuMemGetInfo"))?
+    };
+    let pool = client
+        .memory_usage()
+        .map_err(|e| cubecl_err("memory_usage")(&e))?;
+    Ok(MemoryReport {
+        allocator_in_use: pool.bytes_in_use + pool.bytes_padding,
+        allocator_reserved: pool.bytes_reserved,
+        driver_used: (total - free) as u64,
+        total: total as u64,
+    })
+}
+
+/// Asks cubecl to return the pool pages nothing uses to the driver (for reports between
+/// models; cubecl does this lazily on its own).
+pub fn release_free_memory(device: &cubecl::cuda::CudaDevice) {
+    <super::runtime::Runtime as cubecl::Runtime>::client(device).memory_cleanup();
+}
