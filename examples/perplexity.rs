@@ -3,11 +3,11 @@
 //!
 //! `cargo run --release -p slidesparse-examples --example perplexity -- --text FILE[@START]
 //!   [--text FILE2 ...] [--max-tokens N] [--window 512] [--stride 256] [--patterns 2:4,6:8]
-//!   [--precisions f32,int8] [--prune magnitude,wanda,sparsegpt] [--calibration FILE[@START]]
-//!   [--calibration-tokens 256] [--calibration-seq 512]`
+//!   [--precisions f32,int8] [--prune magnitude,wanda,sparsegpt] [--calibration FILE[@START]
+//!   ...] [--calibration-tokens 256] [--calibration-seq 512]`
 //!
 //! `FILE@START` skips the first `START` tokens of the file. Wanda and SparseGPT are calibrated
-//! on `--calibration-tokens` tokens of the calibration text, cut into sequences of
+//! on `--calibration-tokens` tokens of each calibration text, cut into sequences of
 //! `--calibration-seq`; the calibration tokens may come from an evaluation file only outside
 //! its evaluated token range (checked).
 
@@ -57,9 +57,11 @@ struct Args {
     /// layer after layer); the last two are calibrated on `--calibration`.
     #[arg(long, default_value = "magnitude,wanda")]
     prune: String,
-    /// Calibration text for `wanda` and `sparsegpt`, `FILE` or `FILE@START`.
+    /// Calibration text for `wanda` and `sparsegpt`, `FILE` or `FILE@START`; repeat the flag
+    /// to calibrate on several texts (`--calibration-tokens` from each).
     #[arg(long, default_value = "/usr/share/common-licenses/Apache-2.0")]
-    calibration: String,
+    calibration: Vec<String>,
+    /// Calibration tokens taken from each calibration text.
     #[arg(long, default_value_t = 256)]
     calibration_tokens: usize,
     /// Length of each calibration sequence (the calibration tokens form a batch of them).
@@ -157,23 +159,39 @@ fn main() -> Result<(), Error> {
     let device = dense.embed.weight.device();
     let calibrated = methods.iter().any(|m| *m != "magnitude");
     let calib = if calibrated {
-        let calib = Span::load(&args.calibration, args.calibration_tokens, &tok)?;
-        if let Some(t) = texts.iter().find(|t| t.overlaps(&calib)) {
-            return Err(format!(
-                "the calibration tokens {} overlap the evaluated tokens {}",
-                calib.name(),
-                t.name()
-            )
-            .into());
+        let mut ids = Vec::new();
+        for spec in &args.calibration {
+            let calib = Span::load(spec, args.calibration_tokens, &tok)?;
+            if let Some(t) = texts.iter().find(|t| t.overlaps(&calib)) {
+                return Err(format!(
+                    "the calibration tokens {} overlap the evaluated tokens {}",
+                    calib.name(),
+                    t.name()
+                )
+                .into());
+            }
+            // Whole sequences of each text (one shorter sequence if the only one).
+            let seq = args.calibration_seq.min(calib.ids.len());
+            if args.calibration.len() > 1 && seq < args.calibration_seq {
+                return Err(format!(
+                    "calibration text {} has {} tokens, fewer than --calibration-seq {}",
+                    calib.name(),
+                    calib.ids.len(),
+                    args.calibration_seq
+                )
+                .into());
+            }
+            let used = calib.ids.len() / seq * seq;
+            println!(
+                "calibration: {used} tokens of {} from token {}",
+                calib.path.display(),
+                calib.start
+            );
+            ids.extend_from_slice(&calib.ids[..used]);
         }
-        let batch = token_batch::<B>(&calib.ids, args.calibration_seq, &device);
+        let batch = token_batch::<B>(&ids, args.calibration_seq, &device);
         let [n, seq] = batch.dims();
-        println!(
-            "calibration: {} tokens of {} from token {} ({n} x {seq})",
-            n * seq,
-            calib.path.display(),
-            calib.start
-        );
+        println!("calibration batch: {n} x {seq} tokens");
         Some(batch)
     } else {
         None
