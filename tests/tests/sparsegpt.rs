@@ -3,8 +3,9 @@
 //! matches the textbook optimal-brain-surgeon sequence, and bad calibration is a typed error.
 
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SlideSparseError, SparseGptCalibration, SparsityPattern,
-    check_pattern, pack_linear, prune,
+    LayerSelection, PackOptions, Precision, PruneMethod, SlideSparseError, SparseGptCalibration,
+    SparsityPattern, check_pattern, internals::write_random_checkpoint, pack_checkpoint,
+    pack_linear, prune, verify_checkpoint,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -371,4 +372,28 @@ fn bad_calibration_is_a_typed_error() {
         Err(SlideSparseError::ShapeMismatch { .. })
     ));
     assert!("sparsegpt".parse::<PruneMethod>().is_err());
+}
+
+#[test]
+fn a_sparsegpt_checkpoint_verifies_its_structure_but_not_against_the_original() {
+    // The CLI packs one options for every layer: here only the q projections (K = 64),
+    // with one calibration of that width.
+    let dir = tempfile::tempdir().unwrap();
+    let (dense, packed) = (
+        dir.path().join("d.safetensors"),
+        dir.path().join("p.safetensors"),
+    );
+    write_random_checkpoint(&dense, 64, 96, 2, safetensors::Dtype::F32, 9).unwrap();
+    let mut rng = StdRng::seed_from_u64(6);
+    let x = randn(&mut rng, 128 * 64);
+    let options = PackOptions {
+        prune: PruneMethod::SparseGpt(SparseGptCalibration::from_inputs(&x, 128, 64).unwrap()),
+        ..PackOptions::new(SparsityPattern::P6_8, Precision::Int8)
+    };
+    let selection = LayerSelection::new(Some(r"q_proj\.weight$")).unwrap();
+    let report = pack_checkpoint(&dense, &packed, &selection, &options).unwrap();
+    assert_eq!(report.layers.len(), 2);
+    // The kept weights moved (reconstruction), so the original cannot be the reference.
+    let v = verify_checkpoint(&packed, Some(&dense)).unwrap();
+    assert_eq!((v.layers, v.checked_against_original), (2, 0));
 }
