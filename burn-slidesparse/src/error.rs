@@ -120,6 +120,23 @@ pub enum SlideSparseError {
         actual: usize,
     },
 
+    #[error(
+        "{tensor}: the damped calibration Hessian is not positive definite (pivot {pivot} at \
+         input column {column}, damping {damping} of the mean diagonal); calibrate on more \
+         tokens or raise the damping"
+    )]
+    /// SparseGPT pruning: the Cholesky factorization of the damped Hessian failed.
+    NotPositiveDefinite {
+        /// The tensor.
+        tensor: String,
+        /// The input column whose pivot failed.
+        column: usize,
+        /// The pivot found (not a finite positive number).
+        pivot: f64,
+        /// The relative damping used.
+        damping: f64,
+    },
+
     /// A packed file that fails a check of the format.
     #[error("packed file {path}: {detail}")]
     InvalidPackedFile {

@@ -59,8 +59,9 @@ pub struct LayerMeta {
     pub alignment: usize,
     /// Whether a bias tensor is stored.
     pub bias: bool,
-    /// How the weight was pruned (`magnitude`, `activation-aware` or `none`), so that
-    /// `verify --against` can redo it.
+    /// How the weight was pruned (`magnitude`, `activation-aware`, `sparsegpt` or `none`), so
+    /// that `verify --against` can redo it (`sparsegpt` rewrote the kept weights: not
+    /// checked against the original).
     #[serde(default)]
     pub prune: Option<String>,
 }

@@ -53,7 +53,7 @@ pub use masked::MaskedLinear;
 pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
 pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
 pub use pattern::SparsityPattern;
-pub use prune::{PruneMethod, check_pattern, prune};
+pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
 pub use quant::{Precision, QuantizedWeight, WeightCodes};
 pub use quantized::QuantizedLinear;
 pub use reference::ReferencePrepared;

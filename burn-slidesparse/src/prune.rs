@@ -11,6 +11,10 @@ use crate::{
     pattern::SparsityPattern,
 };
 
+mod sparsegpt;
+
+pub use sparsegpt::SparseGptCalibration;
+
 /// How to choose the weights that survive in each block.
 #[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
 pub enum PruneMethod {
@@ -23,6 +27,13 @@ pub enum PruneMethod {
         /// `||X[:,k]||_2` for every input channel `k`.
         input_norms: Vec<f32>,
     },
+    /// SparseGPT-style, with weight reconstruction: each aligned `2N` group of every row
+    /// drops the two weights of smallest saliency `w^2 / [H^-1]_jj^2` (`H` = the damped
+    /// `X^T X` of calibration inputs), going through the input columns left to right, and the
+    /// kept weights to the right are updated to compensate (the optimal brain surgeon update).
+    /// The kept weights change: the result minimizes `||X W^T - X Ŵ^T||` far better than
+    /// choosing a mask alone. Needs the layer's calibration Gram matrix.
+    SparseGpt(SparseGptCalibration),
     /// Do not prune: the weight must already satisfy the pattern (checked).
     None,
 }
@@ -32,6 +43,7 @@ impl fmt::Display for PruneMethod {
         f.write_str(match self {
             PruneMethod::Magnitude => "magnitude",
             PruneMethod::ActivationAware { .. } => "activation-aware",
+            PruneMethod::SparseGpt(_) => "sparsegpt",
             PruneMethod::None => "none",
         })
     }
@@ -39,14 +51,25 @@ impl fmt::Display for PruneMethod {
 
 impl FromStr for PruneMethod {
     type Err = SlideSparseError;
-    /// Parses `magnitude` or `none`; activation-aware pruning needs norms and is built in code.
+    /// Parses `magnitude` or `none`; activation-aware (Wanda) and SparseGPT pruning need
+    /// calibration data from a model's forward pass and are built in code.
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "magnitude" => Ok(PruneMethod::Magnitude),
             "none" => Ok(PruneMethod::None),
+            "wanda" | "activation-aware" | "sparsegpt" => Err(SlideSparseError::Backend(format!(
+                "prune method {s:?} needs calibration activations from a forward pass of the \
+                 model, which packing a checkpoint file does not run: select it through the API \
+                 (PruneMethod::{}), or use magnitude or none",
+                if s == "sparsegpt" {
+                    "SparseGpt"
+                } else {
+                    "ActivationAware"
+                }
+            ))),
             _ => Err(SlideSparseError::Backend(format!(
-                "invalid prune method {s:?}: expected magnitude or none (activation-aware pruning \
-                 needs calibration norms and is selected through the API)"
+                "invalid prune method {s:?}: expected magnitude or none (activation-aware and \
+                 SparseGPT pruning need calibration data and are selected through the API)"
             ))),
         }
     }
@@ -100,6 +123,13 @@ pub fn prune(
             Ok(prune_by_score(values, cols, pattern, |k, w| {
                 w.abs() * input_norms[k]
             }))
+        }
+        PruneMethod::SparseGpt(calibration) => {
+            let pruned =
+                sparsegpt::prune_sparsegpt(tensor, values, rows, cols, pattern, calibration)?;
+            // The pattern is the contract whatever the arithmetic did: checked, not assumed.
+            check_pattern(tensor, &pruned, rows, cols, pattern)?;
+            Ok(pruned)
         }
     }
 }

@@ -1,8 +1,11 @@
 //! Perplexity with sliding windows and exact token counts, shared by the `perplexity` and
-//! `finetune_then_pack` examples.
+//! `finetune_then_pack` examples, and the calibration of Wanda and SparseGPT pruning.
 
-use burn::tensor::{Int, Tensor, TensorData, activation::log_softmax};
-use burn_slidesparse::SlideSparseBackend;
+use burn::tensor::{Int, Tensor, TensorData, activation::log_softmax, backend::Backend};
+use burn_slidesparse::{
+    PackOptions, SlideSparseBackend, SlideSparseError, SparseGptCalibration, sparsify_with,
+};
+use indicatif::ProgressBar;
 
 use crate::llama::{KvCache, Llama};
 
@@ -64,4 +67,78 @@ pub fn calibration_norms<B: SlideSparseBackend>(
     let input =
         Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &model.embed.weight.device());
     model.input_norms(input)
+}
+
+/// `ids` cut into consecutive sequences of `seq` tokens, `[batch, seq]` (a shorter text is
+/// one sequence; a remainder shorter than `seq` is dropped).
+pub fn token_batch<B: Backend>(ids: &[u32], seq: usize, device: &B::Device) -> Tensor<B, 2, Int> {
+    let seq = seq.clamp(1, ids.len().max(1));
+    let batch = ids.len() / seq;
+    let ids: Vec<i64> = ids[..batch * seq].iter().map(|&i| i as i64).collect();
+    Tensor::from_data(TensorData::new(ids, [batch, seq]), device)
+}
+
+/// The linears of one block pruned together by [`sparsegpt_sequential`], in order: each
+/// group is calibrated on its inputs after the groups before it were pruned.
+pub const SEQUENTIAL_GROUPS: [&[&str]; 4] = [
+    &["q_proj", "k_proj", "v_proj"],
+    &["o_proj"],
+    &["gate_proj", "up_proj"],
+    &["down_proj"],
+];
+
+/// `X^T X` (f64, row-major `[k, k]`) of the rows of `x [batch, t, k]`, computed on the
+/// backend (f32 products).
+fn gram<B: Backend>(x: &Tensor<B, 3>) -> Vec<f64> {
+    let [b, t, k] = x.dims();
+    let x = x.clone().reshape([b * t, k]);
+    let g = x.clone().transpose().matmul(x);
+    g.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32")
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// SparseGPT, layer after layer: block by block, and inside a block group by group
+/// ([`SEQUENTIAL_GROUPS`]), each linear is pruned and packed with `options(name, calibration)`
+/// where the calibration holds `X^T X` of the layer's inputs on `tokens [batch, t]` *through
+/// the model pruned so far* (earlier blocks and groups already sparse, and quantized if
+/// `options` says so). The hidden states are carried from block to block, so the whole run
+/// costs about five forward passes over the calibration tokens. Returns the names packed.
+pub fn sparsegpt_sequential<B: SlideSparseBackend>(
+    model: &mut Llama<B>,
+    tokens: Tensor<B, 2, Int>,
+    options: impl Fn(&str, SparseGptCalibration) -> PackOptions,
+    bar: &ProgressBar,
+) -> burn_slidesparse::Result<Vec<String>> {
+    let mut packed = Vec::new();
+    let mut x = model.embed.forward(tokens);
+    for i in 0..model.blocks.len() {
+        for group in SEQUENTIAL_GROUPS {
+            bar.set_message(format!("layers.{i}.{}", group.join("/")));
+            let mut seen = None;
+            // The block's output is not needed here, only the group's input.
+            let _ = model.block_forward(i, x.clone(), &mut |name, input| {
+                if name == group[0] {
+                    seen = Some(gram(input));
+                }
+            });
+            let gram = seen.ok_or_else(|| {
+                SlideSparseError::Backend(format!("layers.{i}.{}: input not observed", group[0]))
+            })?;
+            let names: Vec<String> = group.iter().map(|n| format!("layers.{i}.{n}")).collect();
+            packed.extend(sparsify_with(model, |name| {
+                names
+                    .iter()
+                    .any(|n| n == name)
+                    .then(|| options(name, SparseGptCalibration::new(gram.clone())))
+            })?);
+            bar.inc(1);
+        }
+        x = model.block_forward(i, x, &mut |_, _| {});
+    }
+    Ok(packed)
 }

@@ -179,6 +179,25 @@ impl<B: SlideSparseBackend> Llama<B> {
         self.lm_head.forward(self.norm.forward(hidden))
     }
 
+    /// Block `index` alone on hidden states `x [batch, t, hidden]` at positions `0..t`, no
+    /// cache, showing `observer` the input of each of its linears (named `q_proj`, ...,
+    /// `down_proj`): what layer-by-layer calibration needs.
+    pub fn block_forward(
+        &self,
+        index: usize,
+        x: Tensor<B, 3>,
+        observer: Observer<'_, B>,
+    ) -> Tensor<B, 3> {
+        self.blocks[index].forward(
+            x,
+            &mut None,
+            &self.rope,
+            0,
+            (self.heads, self.kv_heads),
+            observer,
+        )
+    }
+
     /// The last block's output `[batch, t, hidden]` (before the final norm).
     fn hidden_states(
         &self,
