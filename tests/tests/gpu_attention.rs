@@ -15,7 +15,10 @@ use burn::{
     tensor::{DType, Tensor, TensorData},
 };
 use burn_cubecl::CubeBackend;
-use burn_slidesparse::{AttentionOptions, causal_attention, causal_attention_reference};
+use burn_slidesparse::{
+    AttentionOptions, causal_attention, causal_attention_reference,
+    cuda::attention::set_prefill_rows,
+};
 use cubecl::cuda::CudaRuntime;
 use rand::Rng;
 use slidesparse_tests::rng;
@@ -164,6 +167,37 @@ fn prefill_matches_the_reference_on_random_shapes() {
             dtype,
         };
         check_plain(case, 100 + i);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (compute capability 8.0+)"]
+fn prefill_with_both_query_tiles_matches_the_reference() {
+    // The 64- and 128-query CTAs (the process-wide choice is restored after).
+    let mut r = rng(6);
+    for rows in [128, 64] {
+        set_prefill_rows(rows).unwrap();
+        for i in 0..6u64 {
+            let (hq, hkv) = [(8, 8), (8, 2), (16, 2)][i as usize % 3];
+            let tq = r.random_range(20..400);
+            let prefix = if i % 2 == 0 {
+                r.random_range(1..150)
+            } else {
+                0
+            };
+            let case = Case {
+                batch: 2,
+                tq,
+                hq,
+                hkv,
+                d: [64, 128][i as usize % 2],
+                capacity: tq + prefix,
+                kv_len: tq + prefix,
+                magnitude: 1.0,
+                dtype: [DType::BF16, DType::F16][(i / 2) as usize % 2],
+            };
+            check_plain(case, 600 + i + rows as u64);
+        }
     }
 }
 

@@ -8,7 +8,9 @@
 use burn::tensor::{
     Distribution, ElementConversion, Tensor, module::attention, ops::AttentionModuleOptions,
 };
-use burn_slidesparse::{AttentionOptions, AttentionShape, causal_attention};
+use burn_slidesparse::{
+    AttentionOptions, AttentionShape, causal_attention, cuda::attention::set_prefill_rows,
+};
 use cubecl::{Runtime, cuda::CudaRuntime};
 
 use super::{
@@ -85,9 +87,9 @@ pub fn attention_bench(args: &Args) {
         "Causal attention, {HQ} query / {HKV} KV heads, head dim {D}, bf16, ours; ms per call (wall: back to back, one sync per batch; device: CUDA events per call)"
     );
     println!(
-        "| batch | queries | cached | wall ms | device ms | TFLOP/s (device) | KV read TB/s (device) |"
+        "| batch | queries | cached | query tile | wall ms | device ms | TFLOP/s (device) | KV read TB/s (device) |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for (batch, tq, kv, _) in CASES {
         let [q, k, v] = inputs(batch, tq, kv);
         let shape = AttentionShape::new(q.dims(), k.dims(), v.dims(), None).expect("shape");
@@ -96,22 +98,37 @@ pub fn attention_bench(args: &Args) {
         } else {
             args.reps
         };
-        let wall = back_to_back_ms::<Gpu>(&device, reps, |_| {
-            let _ = ours(&q, &k, &v);
-        });
-        let dev = device_median_ms(&client, 3, reps, |_| {
-            let _ = ours(&q, &k, &v);
-        });
-        let tflops = shape.causal_flops() / (dev / 1e3) / 1e12;
-        let tbs = shape.kv_bytes(2) / (dev / 1e3) / 1e12;
-        println!("| {batch} | {tq} | {kv} | {wall:.4} | {dev:.4} | {tflops:.0} | {tbs:.2} |");
+        // Prefill: both query tiles of the kernel; decode has one kernel.
+        let tiles: &[usize] = if tq > 16 { &[64, 128] } else { &[0] };
+        for &tile in tiles {
+            if tile > 0 {
+                set_prefill_rows(tile).expect("tile");
+            }
+            let wall = back_to_back_ms::<Gpu>(&device, reps, |_| {
+                let _ = ours(&q, &k, &v);
+            });
+            let dev = device_median_ms(&client, 3, reps, |_| {
+                let _ = ours(&q, &k, &v);
+            });
+            let tflops = shape.causal_flops() / (dev / 1e3) / 1e12;
+            let tbs = shape.kv_bytes(2) / (dev / 1e3) / 1e12;
+            let tile = if tile > 0 {
+                tile.to_string()
+            } else {
+                "decode".into()
+            };
+            println!(
+                "| {batch} | {tq} | {kv} | {tile} | {wall:.4} | {dev:.4} | {tflops:.0} | {tbs:.2} |"
+            );
+        }
     }
+    set_prefill_rows(64).expect("tile");
     println!();
     println!(
         "burn 0.21 `module::attention` (K, V expanded to {HQ} heads; causal for prefill), same inputs, wall ms back to back"
     );
     println!(
-        "| batch | queries | cached | burn wall ms | ours wall ms | burn/ours | max abs diff |"
+        "| batch | queries | cached | burn wall ms | ours wall ms (64-query tile) | burn/ours | max abs diff (tile 128 / 64) |"
     );
     println!("|---|---|---|---|---|---|---|");
     for (batch, tq, kv, compare) in CASES {
@@ -121,11 +138,20 @@ pub fn attention_bench(args: &Args) {
         let [q, k, v] = inputs(batch, tq, kv);
         let causal = tq > 1;
         let reference = burn_attention(&q, &k, &v, causal).swap_dims(1, 2);
-        let diff: f32 = (ours(&q, &k, &v) - reference)
-            .abs()
-            .max()
-            .into_scalar()
-            .elem();
+        // The difference for each prefill query tile (the same kernel for decode).
+        let diff = [128, 64]
+            .iter()
+            .map(|&tile| {
+                set_prefill_rows(tile).expect("tile");
+                let d: f32 = (ours(&q, &k, &v) - reference.clone())
+                    .abs()
+                    .max()
+                    .into_scalar()
+                    .elem();
+                format!("{d:.4}")
+            })
+            .collect::<Vec<_>>()
+            .join(" / ");
         let reps = args.reps.min(20);
         let burn_ms = back_to_back_ms::<Gpu>(&device, reps, |_| {
             let _ = burn_attention(&q, &k, &v, causal);
@@ -134,7 +160,7 @@ pub fn attention_bench(args: &Args) {
             let _ = ours(&q, &k, &v);
         });
         println!(
-            "| {batch} | {tq} | {kv} | {burn_ms:.4} | {ours_ms:.4} | {:.1}x | {diff:.4} |",
+            "| {batch} | {tq} | {kv} | {burn_ms:.4} | {ours_ms:.4} | {:.1}x | {diff} |",
             burn_ms / ours_ms
         );
     }

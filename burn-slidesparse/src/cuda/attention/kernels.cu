@@ -117,14 +117,15 @@ __device__ __forceinline__ void load_tile(u32 dst, const u16* g, i64 row_stride,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill: one CTA per (64-query tile, query head, batch), 4 warps of 16 query rows each.
-// Shared memory: Q tile, then 2 stages of (K tile, V tile), 64 rows x D each.
-template <bool BF16, int D>
+// Prefill: one CTA per (query tile, query head, batch), WARPS warps of 16 query rows each
+// (BM = 16 * WARPS queries: 64 or 128; the larger tile halves the K/V traffic from L2).
+// Shared memory: Q tile, then 2 stages of (K tile, V tile), 64 keys x D each.
+template <bool BF16, int D, int WARPS>
 __device__ __forceinline__ void prefill(const Params& p) {
-    constexpr int BM = 64, BN = 64, TILE = 64 * D * 2, THREADS = 128;
+    constexpr int BM = 16 * WARPS, BN = 64, TILE = 64 * D * 2, THREADS = 32 * WARPS;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 sQ = smem_u32(smem);
-    const u32 sKV = sQ + TILE;  // stage s: K at sKV + s * 2 * TILE, V right after it
+    const u32 sKV = sQ + (BM / 64) * TILE;  // stage s: K at sKV + s * 2 * TILE, V after it
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = blockIdx.x, b = blockIdx.z;
@@ -140,7 +141,11 @@ __device__ __forceinline__ void prefill(const Params& p) {
     const int key_end = start + min(q0 + BM, p.tq);
     const int n_tiles = (key_end + BN - 1) / BN;
 
-    load_tile<D, THREADS>(sQ, qg, p.q_row, p.tq - q0);
+#pragma unroll
+    for (int part = 0; part < BM / 64; ++part) {
+        const int rows = p.tq - q0 - part * 64;
+        load_tile<D, THREADS>(sQ + part * TILE, qg + (i64)part * 64 * p.q_row, p.q_row, rows);
+    }
     cp_commit();
     load_tile<D, THREADS>(sKV, kg, p.k_row, key_end);
     load_tile<D, THREADS>(sKV + TILE, vg, p.v_row, key_end);
@@ -276,7 +281,7 @@ __device__ __forceinline__ void prefill(const Params& p) {
 // ---------------------------------------------------------------------------------------------
 // Decode (flash-decoding): one CTA per (key split, KV head, batch). Its 16 MMA rows are the
 // (query head of the group, query) pairs that share the KV head, group * tq <= 16; the CTA
-// streams its split's keys in 64-key tiles (double-buffered) and each warp takes 16 keys of
+// streams its split's keys in 64-key tiles (three stages) and each warp takes 16 keys of
 // every tile. At the end the 4 warps' (max, sum, O) are merged in shared memory; with one
 // split the CTA writes O, otherwise a normalized partial O and its log-sum-exp for `reduce`.
 template <bool BF16, int D>
@@ -284,7 +289,7 @@ __device__ __forceinline__ void decode(const Params& p) {
     constexpr int BN = 64, TILE = 64 * D * 2, THREADS = 128;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 sQ = smem_u32(smem);       // 16 rows x D
-    const u32 sKV = sQ + 16 * D * 2;     // 2 stages of (K, V)
+    const u32 sKV = sQ + 16 * D * 2;     // 3 stages of (K, V)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -306,12 +311,16 @@ __device__ __forceinline__ void decode(const Params& p) {
         }
     }
     cp_commit();
-    if (n_tiles > 0) {
-        load_tile<D, THREADS>(sKV, kg, p.k_row, s1 - s0);
-        load_tile<D, THREADS>(sKV + TILE, vg, p.v_row, s1 - s0);
+    // Three stages: tiles t + 1 and t + 2 are in flight while tile t is used.
+    load_tile<D, THREADS>(sKV, kg, p.k_row, s1 - s0);
+    load_tile<D, THREADS>(sKV + TILE, vg, p.v_row, s1 - s0);
+    cp_commit();
+    if (n_tiles > 1) {
+        load_tile<D, THREADS>(sKV + 2 * TILE, kg + (i64)BN * p.k_row, p.k_row, s1 - s0 - BN);
+        load_tile<D, THREADS>(sKV + 3 * TILE, vg + (i64)BN * p.v_row, p.v_row, s1 - s0 - BN);
     }
     cp_commit();
-    cp_wait<1>();
+    cp_wait<2>();
     __syncthreads();
     u32 qf[D / 16][4];
 #pragma unroll
@@ -330,17 +339,16 @@ __device__ __forceinline__ void decode(const Params& p) {
     const float sl2 = p.scale_log2;
 
     for (int t = 0; t < n_tiles; ++t) {
-        const int stage = t & 1;
-        if (t + 1 < n_tiles) {
-            const int n1 = (t + 1) * BN;
-            const u32 dst = sKV + (stage ^ 1) * 2 * TILE;
-            load_tile<D, THREADS>(dst, kg + (i64)n1 * p.k_row, p.k_row, s1 - s0 - n1);
-            load_tile<D, THREADS>(dst + TILE, vg + (i64)n1 * p.v_row, p.v_row, s1 - s0 - n1);
+        cp_wait<1>();     // tile t has landed (only the newest group, tile t + 1, may be pending)
+        __syncthreads();  // ... for every thread, and everyone is done with tile t - 1
+        if (t + 2 < n_tiles) {  // into the stage of tile t - 1
+            const int n2 = (t + 2) * BN;
+            const u32 dst = sKV + ((t + 2) % 3) * 2 * TILE;
+            load_tile<D, THREADS>(dst, kg + (i64)n2 * p.k_row, p.k_row, s1 - s0 - n2);
+            load_tile<D, THREADS>(dst + TILE, vg + (i64)n2 * p.v_row, p.v_row, s1 - s0 - n2);
         }
         cp_commit();
-        cp_wait<1>();
-        __syncthreads();
-        const u32 sK = sKV + stage * 2 * TILE, sV = sK + TILE;
+        const u32 sK = sKV + (t % 3) * 2 * TILE, sV = sK + TILE;
         const int n0 = s0 + t * BN + warp * 16;  // this warp's first key
 
         float s[2][4];
@@ -404,10 +412,11 @@ __device__ __forceinline__ void decode(const Params& p) {
             mma<BF16>(o[jd], pf, b0, b1);
             mma<BF16>(o[jd + 1], pf, b2, b3);
         }
-        __syncthreads();
     }
+    cp_wait<0>();
+    __syncthreads();
 
-    // Merge the 4 warps. The K/V stages are free now (last __syncthreads above, or no tile).
+    // Merge the 4 warps in the K/V stages, free now.
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -462,31 +471,59 @@ __device__ __forceinline__ void decode(const Params& p) {
     }
 }
 
-// Merges the splits of decode: one CTA of D threads per output row.
+// Block-wide max or sum over N threads (N / 32 warps); `red` holds N / 32 floats.
+template <int N, bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float x = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, x) : v + x;
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[0];
+#pragma unroll
+    for (int w = 1; w < N / 32; ++w) v = MAX ? fmaxf(v, red[w]) : v + red[w];
+    __syncthreads();
+    return v;
+}
+
+// Merges the splits of decode: one CTA of D threads per output row. The split weights are
+// computed once per row into shared memory ([splits] floats, dynamic), then each thread sums
+// its column over the splits with independent loads.
 template <bool BF16, int D>
 __device__ __forceinline__ void reduce(const Params& p) {
+    extern __shared__ float weights[];
+    __shared__ float red[D / 32];
     const int n_rows = p.batch * p.tq * p.hq;
     const int orow = blockIdx.x, d = threadIdx.x;
-    const float* lse = (const float*)p.lse;
-    const float* part = (const float*)p.partial;
+    const float* lse = (const float*)p.lse + orow;  // split s at s * n_rows
+    const float* part = (const float*)p.partial + (i64)orow * D + d;
     float mx = NEG_INF;
-    for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, lse[(i64)s * n_rows + orow]);
-    float acc = 0.f, wsum = 0.f;
-    for (int s = 0; s < p.splits; ++s) {
-        const float x = lse[(i64)s * n_rows + orow];
-        if (x == NEG_INF) continue;  // a split where this row sees no key
-        const float w = ex2(x - mx);
+    for (int s = d; s < p.splits; s += D) mx = fmaxf(mx, lse[(i64)s * n_rows]);
+    mx = block_reduce<D, true>(mx, red);
+    float wsum = 0.f;
+    for (int s = d; s < p.splits; s += D) {
+        const float x = lse[(i64)s * n_rows];
+        const float w = x == NEG_INF ? 0.f : ex2(x - mx);  // a split where the row sees no key
+        weights[s] = w;
         wsum += w;
-        acc += w * part[((i64)s * n_rows + orow) * D + d];
     }
+    wsum = block_reduce<D, false>(wsum, red);  // its barriers also publish `weights`
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < p.splits; ++s) acc += weights[s] * part[(i64)s * n_rows * D];
     ((u16*)p.o)[(i64)orow * D + d] = to16<BF16>(wsum > 0.f ? acc / wsum : 0.f);
 }
 
 #define INSTANTIATE(NAME, DT, BF16, D)                                                    \
     extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_##NAME##_##D(Params p) { \
-        prefill<BF16, D>(p);                                                              \
+        prefill<BF16, D, 4>(p);                                                           \
     }                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128, 3) attn_decode_##NAME##_##D(Params p) {  \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill128_##NAME##_##D(Params p) { \
+        prefill<BF16, D, 8>(p);                                                           \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128, 2) attn_decode_##NAME##_##D(Params p) {  \
         decode<BF16, D>(p);                                                               \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(D) attn_reduce_##NAME##_##D(Params p) {       \

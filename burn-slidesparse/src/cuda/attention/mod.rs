@@ -18,7 +18,10 @@
 use std::{
     collections::HashMap,
     ffi::{CString, c_void},
-    sync::{Arc, Mutex, OnceLock},
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicUsize, Ordering as AtomicOrdering},
+    },
 };
 
 use burn::tensor::{DType, Shape};
@@ -79,7 +82,10 @@ struct Params {
 /// The three kernels of one dtype and head dim.
 #[derive(Clone, Copy)]
 struct Variant {
+    /// 64 queries per CTA (4 warps).
     prefill: sys::CUfunction,
+    /// 128 queries per CTA (8 warps).
+    prefill_wide: sys::CUfunction,
     decode: sys::CUfunction,
     reduce: sys::CUfunction,
 }
@@ -101,16 +107,36 @@ unsafe impl Send for DeviceKernels {}
 // SAFETY: as above, nothing is mutated after construction.
 unsafe impl Sync for DeviceKernels {}
 
-/// Shared memory of a prefill CTA: the Q tile and two stages of (K, V) tiles.
-fn prefill_smem(d: usize) -> usize {
-    5 * TILE * d * 2
+/// Shared memory of a prefill CTA of `rows` queries: the Q tile and two stages of (K, V)
+/// tiles of 64 keys.
+fn prefill_smem(rows: usize, d: usize) -> usize {
+    (rows + 4 * TILE) * d * 2
 }
 
-/// Shared memory of a decode CTA: 16 Q rows and two stages of (K, V) tiles (reused for the
-/// merge of the warps).
-fn decode_smem(d: usize) -> usize {
-    DECODE_ROWS * d * 2 + 4 * TILE * d * 2
+/// Queries per prefill CTA: 64 (4 warps, two CTAs per SM) or 128 (8 warps, one CTA per SM,
+/// half the K/V reads from L2).
+static PREFILL_ROWS: AtomicUsize = AtomicUsize::new(64);
+
+/// Chooses the prefill kernel's query tile, 64 or 128 rows (benchmarks compare them).
+pub fn set_prefill_rows(rows: usize) -> Result<()> {
+    if !matches!(rows, 64 | 128) {
+        return Err(SlideSparseError::Unsupported {
+            what: "flash attention prefill tile".into(),
+            why: format!("{rows} query rows (64 or 128)"),
+        });
+    }
+    PREFILL_ROWS.store(rows, AtomicOrdering::Relaxed);
+    Ok(())
 }
+
+/// Shared memory of a decode CTA: 16 Q rows and three stages of (K, V) tiles (reused for
+/// the merge of the warps).
+fn decode_smem(d: usize) -> usize {
+    DECODE_ROWS * d * 2 + 6 * TILE * d * 2
+}
+
+/// At most this many decode splits (the merge keeps one weight per split in shared memory).
+const MAX_SPLITS: usize = 4096;
 
 /// NVRTC's name for a compute capability (PTX of the closest older known target otherwise).
 fn arch(major: i32, minor: i32) -> &'static str {
@@ -190,7 +216,11 @@ impl DeviceKernels {
         for (bf16, name) in [(true, "bf16"), (false, "f16")] {
             for d in [64, 128] {
                 let variant = Variant {
-                    prefill: function(format!("attn_prefill_{name}_{d}"), prefill_smem(d))?,
+                    prefill: function(format!("attn_prefill_{name}_{d}"), prefill_smem(64, d))?,
+                    prefill_wide: function(
+                        format!("attn_prefill128_{name}_{d}"),
+                        prefill_smem(128, d),
+                    )?,
                     decode: function(format!("attn_decode_{name}_{d}"), decode_smem(d))?,
                     reduce: function(format!("attn_reduce_{name}_{d}"), 0)?,
                 };
@@ -318,11 +348,12 @@ pub fn prepare_device(index: usize) -> Result<()> {
 }
 
 /// How the decode kernel splits the cache: `(splits, keys per split)`, aiming at about four
-/// CTAs per SM over the batch and KV heads, each split whole 64-key tiles.
+/// waves of its two resident CTAs per SM over the batch and KV heads, each split whole 64-key
+/// tiles.
 fn decode_split(shape: &AttentionShape, sm_count: usize) -> (usize, usize) {
     let tiles = shape.kv_len.div_ceil(TILE);
     let pairs = shape.batch * shape.hkv;
-    let wanted = (4 * 3 * sm_count).div_ceil(pairs).clamp(1, tiles);
+    let wanted = (4 * 2 * sm_count).div_ceil(pairs).clamp(1, tiles.min(MAX_SPLITS));
     let tiles_per_split = tiles.div_ceil(wanted);
     let splits = tiles.div_ceil(tiles_per_split);
     (splits, tiles_per_split * TILE)
@@ -410,16 +441,24 @@ pub fn causal_attention(
                 function: variant.reduce,
                 grid: (rows as u32, 1, 1),
                 block: shape.d as u32,
-                smem: 0,
+                smem: (splits * 4) as u32,
             });
         }
     } else {
-        let q_tiles = shape.tq.div_ceil(TILE) as u32;
+        let rows = PREFILL_ROWS.load(AtomicOrdering::Relaxed);
+        let (function, warps) = match rows {
+            128 => (variant.prefill_wide, 8),
+            _ => (variant.prefill, 4),
+        };
         launches.push(Launch {
-            function: variant.prefill,
-            grid: (shape.hq as u32, q_tiles, shape.batch as u32),
-            block: THREADS,
-            smem: prefill_smem(shape.d) as u32,
+            function,
+            grid: (
+                shape.hq as u32,
+                shape.tq.div_ceil(rows) as u32,
+                shape.batch as u32,
+            ),
+            block: 32 * warps,
+            smem: prefill_smem(rows, shape.d) as u32,
         });
     }
     let buffers = Buffers {
