@@ -235,8 +235,7 @@ mod native {
 
     fn wrap<B: Backend, T: 'static>(t: T) -> Tensor<B, 4> {
         let p = cast::<T, <B as BackendTypes>::FloatTensorPrimitive>(t)
-            .ok()
-            .expect("the same type the input was cast from");
+            .unwrap_or_else(|_| unreachable!("the same type the input was cast from"));
         Tensor::from_primitive(TensorPrimitive::Float(p))
     }
 
