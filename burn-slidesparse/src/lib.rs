@@ -6,6 +6,7 @@
 // modules themselves are crate-private so that what a user sees is what we mean to keep
 // stable. The project's own tests, CLI and benchmarks reach further in through `internals`.
 
+mod attention;
 mod autodiff;
 mod backend;
 mod checkpoint;
@@ -36,6 +37,9 @@ pub mod cuda;
 #[cfg(feature = "gguf")]
 pub mod gguf;
 
+pub use attention::{
+    AttentionOptions, AttentionShape, causal_attention, causal_attention_reference,
+};
 pub use autodiff::AutodiffPrepared;
 pub use backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend};
 pub use checkpoint::{

@@ -9,6 +9,7 @@
 //!    GEMM writes);
 //! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
 //!    `cublaslt`, `cupti`, `side_kernels`; `algo_cache` (search results on disk);
+//!    `attention` (own NVRTC flash-attention kernels, ordered like `ordering.rs`);
 //! 3. buffers and ordering: `buffers` (held and kept device buffers), `graphs` (GEMM calls
 //!    replayed as CUDA graphs), `device_thread` (work on cubecl's device thread),
 //!    `ordering` (per-thread lanes; the GEMM on burn's stream), `launch` (kernel launches);
@@ -34,6 +35,7 @@ pub mod config;
 
 internal_modules!(
     accumulator,
+    attention,
     algo_cache,
     buffers,
     cublaslt,

@@ -126,7 +126,7 @@ impl Lanes {
 
 /// Finds the stream cubecl launches on for this thread: one launch of a tiny kernel with the
 /// probe grid, watched through CUPTI.
-fn probe_burn_stream(client: &Client) -> Result<sys::CUstream> {
+pub(crate) fn probe_burn_stream(client: &Client) -> Result<sys::CUstream> {
     let scratch = client.create_from_slice(&[0; 4]);
     stream_of_probe_launch(|| {
         let [x, y, z] = PROBE_GRID;

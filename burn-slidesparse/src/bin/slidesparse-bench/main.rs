@@ -24,6 +24,7 @@ use cudarc::driver::{result as cu, sys};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rayon::prelude::*;
 
+mod attention;
 mod decode;
 mod fusion;
 mod host;
@@ -211,6 +212,7 @@ fn main() {
         "host" => host::host_bench(&args),
         "decode" => decode::decode_bench(&args),
         "fusion" => fusion::fusion_bench(&args),
+        "attention" => attention::attention_bench(&args),
         other => panic!("unknown mode {other}: gemm, layer, quant, host, decode or fusion"),
     }
 }

@@ -1,0 +1,329 @@
+//! Causal attention with grouped-query heads and a KV-cache prefix, on burn tensors.
+//!
+//! Layout: `q [batch, tq, hq, d]`, `k` and `v` `[batch, capacity, hkv, d]` (what an LLM's
+//! projections give after a reshape, and a KV cache of `capacity` positions of which the
+//! first `kv_len` are in use), output `[batch, tq, hq, d]`. Query `i` sits at position
+//! `kv_len - tq + i` and attends to keys `0..=` that position; query head `h` reads key/value
+//! head `h / (hq / hkv)`. Prefill is `tq == kv_len` (or a prefix cached before it), decode is
+//! `tq` of 1 or a few.
+//!
+//! [`causal_attention`] runs the CUDA kernels (`cuda/attention`, feature `cuda`) for burn-cuda's
+//! `CubeBackend` and for `Fusion` over it (a custom fusion operation, in stream order), and
+//! [`causal_attention_reference`] everywhere else: the materialized computation (matmul,
+//! mask, softmax, matmul in f32), which is also the tests' oracle.
+
+use burn::tensor::{DType, Int, Tensor, activation::softmax, backend::Backend};
+
+use crate::error::{Result, SlideSparseError};
+
+/// What a causal attention call attends over.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionOptions {
+    /// Cache positions in use (`None`: the whole key length).
+    pub kv_len: Option<usize>,
+    /// Softmax scale (`None`: `1/sqrt(d)`).
+    pub scale: Option<f32>,
+}
+
+/// The sizes of one attention call, checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Queries per sequence (at positions `kv_len - tq .. kv_len`).
+    pub tq: usize,
+    /// Query heads.
+    pub hq: usize,
+    /// Key/value heads (`hq` is a multiple).
+    pub hkv: usize,
+    /// Head dim.
+    pub d: usize,
+    /// Cache positions in use (`tq <= kv_len <=` the key length).
+    pub kv_len: usize,
+}
+
+impl AttentionShape {
+    /// Checks `q [batch, tq, hq, d]` against `k`, `v` `[batch, capacity, hkv, d]` and
+    /// `kv_len` (`None`: the whole capacity).
+    pub fn new(q: [usize; 4], k: [usize; 4], v: [usize; 4], kv_len: Option<usize>) -> Result<Self> {
+        let [batch, tq, hq, d] = q;
+        if k != v {
+            return Err(SlideSparseError::shape(
+                "attention value shape",
+                format!("{k:?}"),
+                format!("{v:?}"),
+            ));
+        }
+        let [kb, cap, hkv, kd] = k;
+        if kb != batch || kd != d {
+            return Err(SlideSparseError::shape(
+                "attention key shape (batch, _, _, head dim)",
+                format!("[{batch}, _, _, {d}]"),
+                format!("{k:?}"),
+            ));
+        }
+        if hkv == 0 || hq % hkv != 0 {
+            return Err(SlideSparseError::shape(
+                "attention key/value heads (a divisor of the query heads)",
+                format!("a divisor of {hq}"),
+                hkv,
+            ));
+        }
+        let kv_len = kv_len.unwrap_or(cap);
+        if kv_len > cap || tq > kv_len || tq == 0 || batch == 0 || d == 0 {
+            return Err(SlideSparseError::shape(
+                "attention lengths (0 < queries <= kv_len <= key length)",
+                format!("0 < {tq} <= kv_len <= {cap}"),
+                kv_len,
+            ));
+        }
+        Ok(Self {
+            batch,
+            tq,
+            hq,
+            hkv,
+            d,
+            kv_len,
+        })
+    }
+
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+
+    /// The multiply-adds of the visible (causal) scores, times 4: the FLOPs of `QK^T` and
+    /// `PV` that a causal kernel does (benchmarks report TFLOP/s from it).
+    pub fn causal_flops(&self) -> f64 {
+        let start = (self.kv_len - self.tq) as f64;
+        let t = self.tq as f64;
+        let visible = t * start + t * (t + 1.0) / 2.0;
+        4.0 * visible * (self.d * self.hq * self.batch) as f64
+    }
+
+    /// Bytes of K and V in use (what decode must read at least).
+    pub fn kv_bytes(&self, element_bytes: usize) -> f64 {
+        (2 * self.batch * self.kv_len * self.hkv * self.d * element_bytes) as f64
+    }
+}
+
+fn shape_of<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    options: AttentionOptions,
+) -> Result<AttentionShape> {
+    AttentionShape::new(q.dims(), k.dims(), v.dims(), options.kv_len)
+}
+
+/// Causal attention (module docs: layout, positions, grouped-query heads): the CUDA kernels
+/// on burn-cuda (plain or fused; bf16/f16, head dim 64 or 128, else an `Unsupported` error),
+/// the reference computation on every other backend.
+pub fn causal_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: AttentionOptions,
+) -> Result<Tensor<B, 4>> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = native::try_cuda(&q, &k, &v, options) {
+        return out;
+    }
+    causal_attention_reference(q, k, v, options)
+}
+
+/// The materialized causal attention for any backend: `softmax(mask(q k^T * scale)) v` in f32,
+/// K and V heads repeated for grouped-query attention, the result in `q`'s dtype.
+pub fn causal_attention_reference<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: AttentionOptions,
+) -> Result<Tensor<B, 4>> {
+    let s = shape_of(&q, &k, &v, options)?;
+    let dtype = q.dtype();
+    let device = q.device();
+    let scale = options.scale.unwrap_or(1.0 / (s.d as f32).sqrt());
+    let group = s.group();
+    // [batch, capacity, hkv, d] -> [batch, hq, kv_len, d], head h from kv head h / group.
+    let heads = |t: Tensor<B, 4>| {
+        t.slice([0..s.batch, 0..s.kv_len, 0..s.hkv, 0..s.d])
+            .cast(DType::F32)
+            .swap_dims(1, 2)
+            .unsqueeze_dim::<5>(2)
+            .expand([s.batch, s.hkv, group, s.kv_len, s.d])
+            .reshape([s.batch, s.hq, s.kv_len, s.d])
+    };
+    let q = q.cast(DType::F32).swap_dims(1, 2); // [batch, hq, tq, d]
+    let scores = q.matmul(heads(k).swap_dims(2, 3)) * scale; // [batch, hq, tq, kv_len]
+    let start = (s.kv_len - s.tq) as i64;
+    let rows = Tensor::<B, 1, Int>::arange(start..start + s.tq as i64, &device)
+        .reshape([s.tq, 1])
+        .expand([s.tq, s.kv_len]);
+    let cols = Tensor::<B, 1, Int>::arange(0..s.kv_len as i64, &device)
+        .reshape([1, s.kv_len])
+        .expand([s.tq, s.kv_len]);
+    let mask = cols
+        .greater(rows)
+        .reshape([1, 1, s.tq, s.kv_len])
+        .expand([s.batch, s.hq, s.tq, s.kv_len]);
+    let p = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+    Ok(p.matmul(heads(v)).swap_dims(1, 2).cast(dtype))
+}
+
+#[cfg(feature = "cuda")]
+mod native {
+    //! The CUDA kernels for burn-cuda's tensors, chosen at run time from the backend's
+    //! tensor type (a checked downcast, as in `cube.rs`): `CubeTensor<CudaRuntime>` (any
+    //! `CubeBackend<CudaRuntime, ..>`) runs them at once; `FusionTensor` over it queues a
+    //! custom fusion operation that runs them in stream order.
+
+    use std::{any::Any, sync::Mutex};
+
+    use burn::tensor::{
+        Shape, Tensor, TensorPrimitive,
+        backend::{Backend, BackendTypes},
+    };
+    use burn_cubecl::{CubeBackend, fusion::FusionCubeRuntime, tensor::CubeTensor};
+    use burn_fusion::{
+        FusionTensor,
+        stream::{Operation, OperationStreams},
+    };
+    use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+    use super::{AttentionOptions, AttentionShape};
+    use crate::{
+        cuda::{attention, runtime::Runtime},
+        error::{Result, SlideSparseError},
+    };
+
+    type Cuda = CubeBackend<Runtime, f32, i32, u8>;
+    type FusedCuda = FusionTensor<FusionCubeRuntime<Runtime>>;
+
+    fn cast<A: 'static, T: 'static>(value: A) -> std::result::Result<T, A> {
+        let boxed = Box::new(value) as Box<dyn Any>;
+        match boxed.downcast::<T>() {
+            Ok(t) => Ok(*t),
+            Err(b) => Err(*b.downcast::<A>().expect("the value's own type")),
+        }
+    }
+
+    fn primitive<B: Backend>(t: &Tensor<B, 4>) -> <B as BackendTypes>::FloatTensorPrimitive {
+        t.clone().into_primitive().tensor()
+    }
+
+    /// The kernels' result if `B`'s tensors are CUDA's (plain or fused), `None` otherwise.
+    pub fn try_cuda<B: Backend>(
+        q: &Tensor<B, 4>,
+        k: &Tensor<B, 4>,
+        v: &Tensor<B, 4>,
+        options: AttentionOptions,
+    ) -> Option<Result<Tensor<B, 4>>> {
+        let qp = primitive(q);
+        let qp = match cast::<_, CubeTensor<Runtime>>(qp) {
+            Ok(qc) => {
+                let (kc, vc) = (cast(primitive(k)).ok()?, cast(primitive(v)).ok()?);
+                let out = attention::causal_attention(qc, kc, vc, options.kv_len, options.scale);
+                return Some(out.map(wrap));
+            }
+            Err(qp) => qp,
+        };
+        let qf = cast::<_, FusedCuda>(qp).ok()?;
+        let (kf, vf) = (cast(primitive(k)).ok()?, cast(primitive(v)).ok()?);
+        Some(queue_fused(qf, kf, vf, options).map(wrap))
+    }
+
+    fn wrap<B: Backend, T: 'static>(t: T) -> Tensor<B, 4> {
+        let p = cast::<T, <B as BackendTypes>::FloatTensorPrimitive>(t)
+            .unwrap_or_else(|_| unreachable!("the same type the input was cast from"));
+        Tensor::from_primitive(TensorPrimitive::Float(p))
+    }
+
+    /// The first error of a fused execution not yet reported.
+    static DEFERRED: Mutex<Option<SlideSparseError>> = Mutex::new(None);
+
+    /// The custom fusion operation: `out = attention(q, k, v)` on the inner CUDA tensors.
+    #[derive(Debug)]
+    struct AttentionOp {
+        q: TensorIr,
+        k: TensorIr,
+        v: TensorIr,
+        out: TensorIr,
+        options: AttentionOptions,
+    }
+
+    impl Operation<FusionCubeRuntime<Runtime>> for AttentionOp {
+        fn execute(
+            &self,
+            handles: &mut HandleContainer<
+                <FusionCubeRuntime<Runtime> as burn_fusion::FusionRuntime>::FusionHandle,
+            >,
+        ) {
+            let q = handles.get_float_tensor::<Cuda>(&self.q);
+            let k = handles.get_float_tensor::<Cuda>(&self.k);
+            let v = handles.get_float_tensor::<Cuda>(&self.v);
+            let device = q.device.clone();
+            let (kv_len, scale) = (self.options.kv_len, self.options.scale);
+            let out = match attention::causal_attention(q, k, v, kv_len, scale) {
+                Ok(out) => out,
+                Err(error) => {
+                    DEFERRED
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(error);
+                    let shape: [usize; 4] = self.out.shape.as_slice().try_into().expect("rank 4");
+                    Tensor::<Cuda, 4>::full(shape, f32::NAN, &device)
+                        .cast(self.out.dtype)
+                        .into_primitive()
+                        .tensor()
+                }
+            };
+            handles.register_float_tensor::<Cuda>(&self.out.id, out);
+        }
+    }
+
+    /// Checks the call, compiles the kernels if needed (so that the execution has nothing
+    /// left to fail on but the launch), and queues the operation.
+    fn queue_fused(
+        q: FusedCuda,
+        k: FusedCuda,
+        v: FusedCuda,
+        options: AttentionOptions,
+    ) -> Result<FusedCuda> {
+        if let Some(error) = DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(SlideSparseError::Deferred(Box::new(error)));
+        }
+        let dims = |t: &FusedCuda| -> Result<[usize; 4]> {
+            t.shape.as_slice().try_into().map_err(|_| {
+                SlideSparseError::shape("attention tensor rank", 4, t.shape.num_dims())
+            })
+        };
+        let s = AttentionShape::new(dims(&q)?, dims(&k)?, dims(&v)?, options.kv_len)?;
+        attention::check_supported(&s, [q.dtype, k.dtype, v.dtype])?;
+        attention::prepare_device(q.client.device().index)?;
+        let streams = OperationStreams::with_inputs([&q, &k, &v]);
+        let client = q.client.clone();
+        let dtype = q.dtype;
+        let (q, k, v) = (q.into_ir(), k.into_ir(), v.into_ir());
+        let out = TensorIr::uninit(
+            client.create_empty_handle(),
+            Shape::new([s.batch, s.tq, s.hq, s.d]),
+            dtype,
+        );
+        let ir = CustomOpIr::new(
+            "slidesparse_causal_attention",
+            &[q.clone(), k.clone(), v.clone()],
+            std::slice::from_ref(&out),
+        );
+        let op = AttentionOp {
+            q,
+            k,
+            v,
+            out,
+            options,
+        };
+        Ok(client
+            .register(streams, OperationIr::Custom(ir), op)
+            .output())
+    }
+}
