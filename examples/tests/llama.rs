@@ -276,6 +276,13 @@ fn calibration_norms_drive_activation_aware_packing() {
     assert_eq!(logits(&sparse, &[2, 4]).len(), 2 * 64);
 }
 
+/// `[out, in]` rows of a dense layer of the model (burn stores `[in, out]`).
+fn rows_of(layer: &burn_slidesparse::MaybeSparseLinear<B>) -> (Vec<f32>, Vec<usize>) {
+    let w = layer.dense().unwrap().weight.val().transpose();
+    let shape = w.dims().to_vec();
+    (w.into_data().into_vec().unwrap(), shape)
+}
+
 fn write_hf_checkpoint(model: &Llama<B>, config: &LlamaConfig, dir: &std::path::Path) {
     slidesparse_examples::hf_llama::write_hf_checkpoint(model, config, dir).unwrap();
 }
