@@ -166,7 +166,10 @@ fn main() -> Result<(), Error> {
     // A byte-level vocabulary (token b is byte b) so that `generate --hf` runs on the folder;
     // the text it generates is noise, like the weights.
     if args.vocab >= 256 {
-        std::fs::write(args.dir.join("tokenizer.json"), byte_level_tokenizer_json())?;
+        std::fs::write(
+            args.dir.join("tokenizer.json"),
+            byte_level_tokenizer_json(args.vocab),
+        )?;
     }
     println!(
         "wrote {} ({n} file(s), {:.2} GB)",

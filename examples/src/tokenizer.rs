@@ -83,13 +83,17 @@ fn byte_level_alphabet() -> Vec<char> {
         .collect()
 }
 
-/// A `tokenizer.json` of plain byte-level BPE without merges: token `b` is byte `b` (256
-/// tokens). For checkpoints written with random weights, where no real vocabulary exists.
-pub fn byte_level_tokenizer_json() -> String {
+/// A `tokenizer.json` of plain byte-level BPE without merges for a vocabulary of `size >= 256`
+/// ids: token `b < 256` is byte `b`, the ids above spell `<extra_ID>` (never produced by
+/// encoding, decodable). For checkpoints written with random weights, where no real
+/// vocabulary exists.
+pub fn byte_level_tokenizer_json(size: usize) -> String {
     let vocab: serde_json::Map<String, Value> = byte_level_alphabet()
         .into_iter()
+        .map(|c| c.to_string())
+        .chain((256..size).map(|id| format!("<extra_{id}>")))
         .enumerate()
-        .map(|(i, c)| (c.to_string(), i.into()))
+        .map(|(i, token)| (token, i.into()))
         .collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     json!({
