@@ -45,6 +45,15 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| SlideSparseError::io(path, e))
 }
 
+/// Memory-maps a file for reading.
+pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| SlideSparseError::io(path, e))?;
+    // SAFETY: the file is only read; concurrent truncation by another process would be a
+    // user error that the safetensors bounds checks turn into an error or a SIGBUS, as with
+    // any memory-mapped reader.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| SlideSparseError::io(path, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,13 +81,4 @@ mod tests {
     fn a_path_without_a_file_name_is_an_error() {
         assert!(write_atomically(Path::new("/"), b"x").is_err());
     }
-}
-
-/// Memory-maps a file for reading.
-pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
-    let file = std::fs::File::open(path).map_err(|e| SlideSparseError::io(path, e))?;
-    // SAFETY: the file is only read; concurrent truncation by another process would be a
-    // user error that the safetensors bounds checks turn into an error or a SIGBUS, as with
-    // any memory-mapped reader.
-    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| SlideSparseError::io(path, e))
 }

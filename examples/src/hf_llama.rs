@@ -413,49 +413,6 @@ pub fn load_hf_llama<B: Backend>(
     Ok(model)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::rotate_half_to_adjacent;
-
-    /// Hugging Face RoPE ("rotate half"): pair `(i, i + d/2)` rotated by angle `p * f_i`.
-    fn rope_rotate_half(x: &[f32], p: f32) -> Vec<f32> {
-        let half = x.len() / 2;
-        let mut y = x.to_vec();
-        for i in 0..half {
-            let a = p * 10000f32.powf(-2.0 * i as f32 / x.len() as f32);
-            y[i] = x[i] * a.cos() - x[i + half] * a.sin();
-            y[i + half] = x[i + half] * a.cos() + x[i] * a.sin();
-        }
-        y
-    }
-
-    /// RoPE on adjacent pairs `(2i, 2i + 1)` (GGUF, burn's `RotaryEncoding`).
-    fn rope_adjacent(x: &[f32], p: f32) -> Vec<f32> {
-        let mut y = x.to_vec();
-        for i in 0..x.len() / 2 {
-            let a = p * 10000f32.powf(-2.0 * i as f32 / x.len() as f32);
-            y[2 * i] = x[2 * i] * a.cos() - x[2 * i + 1] * a.sin();
-            y[2 * i + 1] = x[2 * i + 1] * a.cos() + x[2 * i] * a.sin();
-        }
-        y
-    }
-
-    #[test]
-    fn the_row_permutation_turns_hf_rope_into_adjacent_pair_rope() {
-        // q = W x for one head: permuting W's rows permutes q the same way; RoPE then must
-        // commute with the permutation for the attention scores to be unchanged.
-        let d = 8;
-        let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.7).sin()).collect();
-        for p in [0.0, 1.0, 5.0, 37.0] {
-            let hf = rotate_half_to_adjacent(&rope_rotate_half(&q, p), 1, d, 1);
-            let ours = rope_adjacent(&rotate_half_to_adjacent(&q, 1, d, 1), p);
-            for (a, b) in hf.iter().zip(&ours) {
-                assert!((a - b).abs() < 1e-6, "position {p}: {hf:?} vs {ours:?}");
-            }
-        }
-    }
-}
-
 /// `[out, in]` rows of a dense layer of the model (burn stores `[in, out]`).
 fn rows_of<B: Backend>(
     layer: &burn_slidesparse::MaybeSparseLinear<B>,
@@ -574,4 +531,47 @@ pub fn write_hf_checkpoint<B: Backend>(
     });
     let json = dir.join("config.json");
     std::fs::write(&json, config_json.to_string()).map_err(io(json.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rotate_half_to_adjacent;
+
+    /// Hugging Face RoPE ("rotate half"): pair `(i, i + d/2)` rotated by angle `p * f_i`.
+    fn rope_rotate_half(x: &[f32], p: f32) -> Vec<f32> {
+        let half = x.len() / 2;
+        let mut y = x.to_vec();
+        for i in 0..half {
+            let a = p * 10000f32.powf(-2.0 * i as f32 / x.len() as f32);
+            y[i] = x[i] * a.cos() - x[i + half] * a.sin();
+            y[i + half] = x[i + half] * a.cos() + x[i] * a.sin();
+        }
+        y
+    }
+
+    /// RoPE on adjacent pairs `(2i, 2i + 1)` (GGUF, burn's `RotaryEncoding`).
+    fn rope_adjacent(x: &[f32], p: f32) -> Vec<f32> {
+        let mut y = x.to_vec();
+        for i in 0..x.len() / 2 {
+            let a = p * 10000f32.powf(-2.0 * i as f32 / x.len() as f32);
+            y[2 * i] = x[2 * i] * a.cos() - x[2 * i + 1] * a.sin();
+            y[2 * i + 1] = x[2 * i + 1] * a.cos() + x[2 * i] * a.sin();
+        }
+        y
+    }
+
+    #[test]
+    fn the_row_permutation_turns_hf_rope_into_adjacent_pair_rope() {
+        // q = W x for one head: permuting W's rows permutes q the same way; RoPE then must
+        // commute with the permutation for the attention scores to be unchanged.
+        let d = 8;
+        let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.7).sin()).collect();
+        for p in [0.0, 1.0, 5.0, 37.0] {
+            let hf = rotate_half_to_adjacent(&rope_rotate_half(&q, p), 1, d, 1);
+            let ours = rope_adjacent(&rotate_half_to_adjacent(&q, 1, d, 1), p);
+            for (a, b) in hf.iter().zip(&ours) {
+                assert!((a - b).abs() < 1e-6, "position {p}: {hf:?} vs {ours:?}");
+            }
+        }
+    }
 }
