@@ -46,11 +46,12 @@ pub fn ensure_fits(
     Ok(())
 }
 
-/// Free device memory plus the bytes cubecl's pool has reserved but does not use, capped at
-/// the device's total less the pool's bytes in use (cubecl's reserved count was seen to
-/// exceed what the driver reports as used, which alone overstated the sum).
-pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u64> {
-    let (driver_free, total) = {
+/// The driver's free and total bytes, and cubecl's pool usage, of one device.
+fn driver_and_pool(
+    client: &Client,
+    state: &Mutex<DeviceState>,
+) -> Result<(usize, usize, cubecl::MemoryUsage)> {
+    let (free, total) = {
         let state = state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
         cu::mem_get_info().map_err(driver_err("cuMemGetInfo"))?
@@ -58,6 +59,14 @@ pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u6
     let pool = client
         .memory_usage()
         .map_err(|e| cubecl_err("memory_usage")(&e))?;
+    Ok((free, total, pool))
+}
+
+/// Free device memory plus the bytes cubecl's pool has reserved but does not use, capped at
+/// the device's total less the pool's bytes in use (cubecl's reserved count was seen to
+/// exceed what the driver reports as used, which alone overstated the sum).
+pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u64> {
+    let (driver_free, total, pool) = driver_and_pool(client, state)?;
     let pool_free = pool
         .bytes_reserved
         .saturating_sub(pool.bytes_in_use + pool.bytes_padding);
@@ -85,14 +94,7 @@ pub fn memory_report(device: &cubecl::cuda::CudaDevice) -> Result<MemoryReport> 
     let client = <super::runtime::Runtime as cubecl::Runtime>::client(device);
     super::runtime::sync_burn_stream(&client)?;
     let state = super::state::device_state(device.index)?;
-    let (free, total) = {
-        let state = state.lock().unwrap_or_else(|e| e.into_inner());
-        state.make_current()?;
-        cu::mem_get_info().map_err(driver_err("cuMemGetInfo"))?
-    };
-    let pool = client
-        .memory_usage()
-        .map_err(|e| cubecl_err("memory_usage")(&e))?;
+    let (free, total, pool) = driver_and_pool(&client, &state)?;
     Ok(MemoryReport {
         allocator_in_use: pool.bytes_in_use + pool.bytes_padding,
         allocator_reserved: pool.bytes_reserved,
