@@ -221,6 +221,14 @@ pub enum SlideSparseError {
         detail: String,
     },
 
+    /// Layers that cannot be fused into one ([`concat_outputs`](crate::concat_outputs)):
+    /// of different kinds, input widths, patterns or precisions.
+    #[error("fusing layers: {detail}")]
+    FuseMismatch {
+        /// What differs.
+        detail: String,
+    },
+
     /// A saved record that cannot be loaded into the model: unreadable, or of other layer
     /// kinds than the model's (a sparse record into a dense-built model).
     #[error("loading a record: {detail}")]

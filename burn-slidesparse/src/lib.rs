@@ -17,6 +17,7 @@ mod error;
 mod files;
 mod format;
 mod fp8;
+mod fuse;
 #[cfg(feature = "fusion")]
 mod fusion;
 mod masked;
@@ -51,6 +52,7 @@ pub use codes::{WeightCodesModule, WeightCodesRecord};
 pub use cube::CubePrepared;
 pub use error::{Result, SlideSparseError};
 pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
+pub use fuse::concat_outputs;
 #[cfg(feature = "fusion")]
 pub use fusion::FusionPrepared;
 pub use masked::MaskedLinear;
