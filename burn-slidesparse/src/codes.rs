@@ -192,6 +192,13 @@ fn codes_dtype(precision: Precision) -> DType {
 impl<B: Backend> Module<B> for WeightCodesModule<B> {
     type Record = WeightCodesRecord;
 
+    /// The codes and scales are the layer's parameters, though not float `Param`s (burn's
+    /// default count, which visits float parameters, would say 0); derived modules sum
+    /// their fields' counts.
+    fn num_params(&self) -> usize {
+        self.weight.codes.len() + self.weight.scales.len()
+    }
+
     fn collect_devices(&self, mut devices: Devices<B>) -> Devices<B> {
         if !devices.contains(&self.device) {
             devices.push(self.device.clone());

@@ -97,6 +97,11 @@ impl SlideSparseLinearConfig {
 /// record holds the codes in their own width (INT8 as `I8`, FP8 as E4M3 bytes, 16-bit
 /// precisions as 16-bit), the scales in f32 and the bias in the record's float type: records
 /// round-trip bit-exactly. The layout comes from the config.
+///
+/// Hold it (or [`MaybeSparseLinear`](crate::MaybeSparseLinear)) in a plain field, a `Vec` or
+/// an enum module, not in an `Option` field of a model that loads records: burn 0.21's
+/// `Option` treats a module with no float `Param` (a layer without bias: its codes are not
+/// float parameters) as a constant and silently keeps it when a record is loaded.
 #[derive(Module, Debug)]
 pub struct SlideSparseLinear<B: Backend> {
     /// `W' [out, K']` codes and per-output-channel scales, on the host.
