@@ -117,8 +117,9 @@ fn shape_of<B: Backend>(
 }
 
 /// Causal attention (module docs: layout, positions, grouped-query heads): the CUDA kernels
-/// on burn-cuda (plain or fused; bf16/f16, head dim 64 or 128, else an `Unsupported` error),
-/// the reference computation on every other backend.
+/// on burn-cuda (plain or fused) for what they cover (q, k, v all bf16 or all f16, head dim
+/// 64 or 128), the reference computation for everything else (f32 tensors, other head dims,
+/// every other backend), so a model runs on any backend and dtype.
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -219,6 +220,9 @@ mod native {
         v: &Tensor<B, 4>,
         options: AttentionOptions,
     ) -> Option<Result<Tensor<B, 4>>> {
+        if !kernels_cover(q, k, v) {
+            return None;
+        }
         let qp = primitive(q);
         let qp = match cast::<_, CubeTensor<Runtime>>(qp) {
             Ok(qc) => {
@@ -231,6 +235,17 @@ mod native {
         let qf = cast::<_, FusedCuda>(qp).ok()?;
         let (kf, vf) = (cast(primitive(k)).ok()?, cast(primitive(v)).ok()?);
         Some(queue_fused(qf, kf, vf, options).map(wrap))
+    }
+
+    /// Whether the kernels have a variant for these dtypes and head dim (the reference path
+    /// runs the rest).
+    fn kernels_cover<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>) -> bool {
+        use burn::tensor::DType;
+        let same_16_bit = matches!(
+            (q.dtype(), k.dtype(), v.dtype()),
+            (DType::BF16, DType::BF16, DType::BF16) | (DType::F16, DType::F16, DType::F16)
+        );
+        same_16_bit && matches!(q.dims()[3], 64 | 128)
     }
 
     fn wrap<B: Backend, T: 'static>(t: T) -> Tensor<B, 4> {

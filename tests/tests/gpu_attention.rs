@@ -295,32 +295,17 @@ fn fused_backend_matches_the_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (compute capability 8.0+)"]
-fn unsupported_inputs_are_typed_errors() {
-    let z = |s: [usize; 4], dtype| to_device::<Gpu>(&vec![0.0; s.iter().product()], s, dtype);
-    let f32_call = causal_attention(
-        z([1, 4, 4, 64], DType::F32),
-        z([1, 4, 4, 64], DType::F32),
-        z([1, 4, 4, 64], DType::F32),
-        AttentionOptions::default(),
-    );
-    assert!(
-        matches!(
-            f32_call,
-            Err(burn_slidesparse::SlideSparseError::Unsupported { .. })
-        ),
-        "f32"
-    );
-    let d96 = causal_attention(
-        z([1, 4, 4, 96], DType::BF16),
-        z([1, 4, 4, 96], DType::BF16),
-        z([1, 4, 4, 96], DType::BF16),
-        AttentionOptions::default(),
-    );
-    assert!(
-        matches!(
-            d96,
-            Err(burn_slidesparse::SlideSparseError::Unsupported { .. })
-        ),
-        "head dim 96"
-    );
+fn inputs_the_kernels_do_not_cover_take_the_reference_path() {
+    let mut r = rng(77);
+    for (shape, dtype) in [([1, 6, 4, 64], DType::F32), ([2, 5, 4, 96], DType::BF16)] {
+        let t = |r: &mut rand::rngs::StdRng| {
+            to_device::<Gpu>(&normal_ish(r, shape.iter().product(), 1.0), shape, dtype)
+        };
+        let (q, k, v) = (t(&mut r), t(&mut r), t(&mut r));
+        let options = AttentionOptions::default();
+        let got = causal_attention(q.clone(), k.clone(), v.clone(), options)
+            .unwrap_or_else(|e| panic!("{dtype:?} {shape:?}: {e}"));
+        let want = burn_slidesparse::causal_attention_reference(q, k, v, options).unwrap();
+        assert_eq!(host(got), host(want), "{dtype:?} {shape:?}");
+    }
 }
