@@ -79,8 +79,9 @@ struct Args {
     /// `--pattern`, `--precision` and `--prune` do not apply.
     #[arg(long)]
     packed: Option<PathBuf>,
-    /// `cpu` (the reference backend) or, with `--features cuda`, `cuda` (burn-cuda, f32
-    /// activations; the SlideSparse layers run quant+lift, cuSPARSELt and the epilogue).
+    /// `cpu` (the reference backend) or, with `--features cuda`, `cuda` (burn-cuda with
+    /// fusion, f32 activations; the SlideSparse layers run quant+lift, cuSPARSELt and the
+    /// epilogue).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -98,7 +99,7 @@ fn generate<B: SlideSparseBackend>(
 ) -> Result<(f64, f64), Error> {
     let mut rng = StdRng::seed_from_u64(seed);
     let device = model.embed.weight.device();
-    let mut cache = KvCache::default();
+    let mut cache = KvCache::with_capacity(prompt.len() + n);
     let input = |ids: &[u32]| {
         Tensor::<B, 2, Int>::from_data(
             TensorData::new(
@@ -157,7 +158,7 @@ fn main() -> Result<(), Error> {
     match args.device.as_str() {
         "cpu" => run::<NdArray>(&args, &Default::default()),
         #[cfg(feature = "cuda")]
-        "cuda" => run::<burn_slidesparse::cuda::CudaBackend>(&args, &Default::default()),
+        "cuda" => run::<burn_slidesparse::cuda::CudaFusionBackend>(&args, &Default::default()),
         other => Err(slidesparse_examples::unknown_device(other).into()),
     }
 }
@@ -281,7 +282,9 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Err
         }
         None => prune_and_pack(args, &mut model, &tok)?,
     };
-    // Compress and upload every layer now, not inside the first token's timing.
+    // One GEMM for q/k/v and one for gate/up; then compress and upload every layer now, not
+    // inside the first token's timing.
+    model.fuse_projections()?;
     prepare_all(&mut model)?;
     println!("--- SlideSparse {label} ---\n{}", args.prompt);
     results.push((

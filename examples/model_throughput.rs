@@ -4,10 +4,16 @@
 //! as SlideSparse without the slide), and SlideSparse at each pattern. The LM head and
 //! embeddings stay bf16 in every variant; activations are bf16.
 //!
+//! The model runs as an inference engine: burn-cuda with fusion (`--backend plain`: without),
+//! q/k/v and gate/up fused into one layer each (`--separate`: not), the attention kernels of
+//! `burn_slidesparse::causal_attention`, a KV cache written in place.
+//!
 //! Prefill: one sequence of T tokens, median of `--reps` forwards (fresh KV cache each).
-//! Decode: batch B after a context of max(1024 / B, 64) tokens, `--steps` single-token steps back to back with
-//! one device sync, median of `--reps`. A model with zero blocks (embedding + head only) is
-//! timed too, so the per-block cost and a projection to the full depth can be read off.
+//! Decode: batch B with `--context` tokens per sequence in the cache (prefilled once),
+//! `--steps` single-token steps back to back with one device sync, median of `--reps`; the
+//! host column is the time to queue one step, from runs that sync after every step. A model
+//! with zero blocks (embedding + head only) is timed too, so the per-block cost can be read
+//! off.
 //!
 //! ```text
 //! cargo run --release -p slidesparse-examples --features cuda --example model_throughput -- \
@@ -22,9 +28,9 @@ use burn::{
 };
 use burn_slidesparse::{
     DEFAULT_ALIGNMENT, PackOptions, PackedLinear, Precision, QuantizedLinear, QuantizedWeight,
-    SlideSparseLinear, SparsityPattern, VisitLinears, WeightCodes,
+    SlideSparseBackend, SlideSparseLinear, SparsityPattern, VisitLinears, WeightCodes,
     cuda::{
-        CudaBackend,
+        CudaBackend, CudaFusionBackend,
         memory::{MemoryReport, memory_report, release_free_memory},
     },
     prepare_all, quantize_dense, sparsify,
@@ -33,7 +39,10 @@ use clap::Parser;
 use half::bf16;
 use slidesparse_examples::llama::{KvCache, Llama, LlamaConfig};
 
-type Gpu = CudaBackend<bf16>;
+/// burn-cuda with fusion (the default), bf16 activations.
+type Gpu = CudaFusionBackend<bf16>;
+/// burn-cuda without fusion (`--backend plain`).
+type Plain = CudaBackend<bf16>;
 
 #[derive(Parser)]
 struct Args {
@@ -60,6 +69,19 @@ struct Args {
     variants: String,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// `fusion` (burn-cuda's default: `Fusion<CubeBackend>`) or `plain` (`CubeBackend`).
+    #[arg(long, default_value = "fusion")]
+    backend: String,
+    /// Tokens per sequence in the KV cache before the timed decode steps.
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+    /// Keep q/k/v and gate/up as separate layers (default: fused, one GEMM each).
+    #[arg(long)]
+    separate: bool,
+    /// First check a small model's logits on the GPU (both backends, fused and separate,
+    /// cached decode) against the CPU reference.
+    #[arg(long)]
+    check: bool,
     /// `pack`: convert a random bf16 model's linears with the packer (prune, quantize, slide;
     /// every variant from the same bf16 model, which stays on the GPU). `random`: each variant
     /// is built on its own with random codes that satisfy the pattern (no packer: fast at
@@ -79,13 +101,16 @@ fn config(name: &str, layers: usize) -> Result<LlamaConfig, String> {
         LlamaConfig::new(vocab, hidden, intermediate, layers, heads, kv_heads)
             .with_tie_embeddings(tie)
             .with_qkv_bias(bias)
-            .with_max_seq_len(8192)
+            .with_max_seq_len(32_768)
             .with_rope_base(500_000.0),
     )
 }
 
 /// Converts the block linears of `model` (never the LM head) to `variant`.
-fn convert(model: &mut Llama<Gpu>, variant: &str) -> Result<(), Box<dyn std::error::Error>> {
+fn convert<B: SlideSparseBackend>(
+    model: &mut Llama<B>,
+    variant: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
     let blocks_only = |name: &str| name != "lm_head";
     match variant {
         "bf16" => {}
@@ -114,9 +139,14 @@ impl Noise {
     }
 }
 
-/// `rows x cols` random codes of `precision`, filled on every core; with `two_of_four`, only
-/// the first two of every four columns are nonzero (a valid 2:4 slid weight).
-fn random_codes(precision: Precision, rows: usize, cols: usize, two_of_four: bool) -> WeightCodes {
+/// `rows x cols` random codes of `precision`, filled on every core, nonzero in the first
+/// `used` columns of each row only (the rest is a slid weight's alignment padding); with
+/// `two_of_four`, only the first two of every four columns are nonzero (a valid slid weight).
+fn random_codes(
+    precision: Precision,
+    (rows, cols, used): (usize, usize, usize),
+    two_of_four: bool,
+) -> WeightCodes {
     let mut bytes = vec![0u8; rows * cols];
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let rows_per = rows.div_ceil(threads).max(1);
@@ -125,7 +155,7 @@ fn random_codes(precision: Precision, rows: usize, cols: usize, two_of_four: boo
             scope.spawn(move || {
                 let mut noise = Noise(0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1));
                 for (j, b) in chunk.iter_mut().enumerate() {
-                    if two_of_four && (j % cols) % 4 >= 2 {
+                    if (two_of_four && (j % cols) % 4 >= 2) || j % cols >= used {
                         continue;
                     }
                     let r = noise.next() >> 32;
@@ -147,7 +177,10 @@ fn random_codes(precision: Precision, rows: usize, cols: usize, two_of_four: boo
 
 /// Replaces the block linears of `model` (never the LM head) by random layers of `variant`
 /// that satisfy its pattern, without the packer.
-fn convert_random(model: &mut Llama<Gpu>, variant: &str) -> Result<(), Box<dyn std::error::Error>> {
+fn convert_random<B: SlideSparseBackend>(
+    model: &mut Llama<B>,
+    variant: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
     if variant == "bf16" {
         return Ok(());
     }
@@ -169,13 +202,17 @@ fn convert_random(model: &mut Llama<Gpu>, variant: &str) -> Result<(), Box<dyn s
             let weight = QuantizedWeight {
                 rows: n,
                 cols: k,
-                codes: random_codes(precision, n, k, false),
+                codes: random_codes(precision, (n, k, k), false),
                 scales: vec![1e-3; n],
             };
             QuantizedLinear::from_quantized_owned(weight, bias.as_deref(), &device).into()
         } else {
             let pattern: SparsityPattern = pattern.parse()?;
-            let kp = pattern.geometry(k, DEFAULT_ALIGNMENT).k_prime();
+            let geometry = pattern.geometry(k, DEFAULT_ALIGNMENT);
+            let (kp, used) = (
+                geometry.k_prime(),
+                geometry.blocks() * geometry.slid_block_len(),
+            );
             let packed = PackedLinear {
                 name: format!("{name}.weight"),
                 pattern,
@@ -184,7 +221,7 @@ fn convert_random(model: &mut Llama<Gpu>, variant: &str) -> Result<(), Box<dyn s
                 weight: QuantizedWeight {
                     rows: n,
                     cols: kp,
-                    codes: random_codes(precision, n, kp, true),
+                    codes: random_codes(precision, (n, kp, used), true),
                     scales: vec![1e-3; n],
                 },
                 bias,
@@ -196,13 +233,13 @@ fn convert_random(model: &mut Llama<Gpu>, variant: &str) -> Result<(), Box<dyn s
     Ok(())
 }
 
-fn random_tokens(
+fn random_tokens<B: Backend>(
     batch: usize,
     t: usize,
     vocab: usize,
-    device: &burn::tensor::Device<Gpu>,
-) -> Tensor<Gpu, 2, Int> {
-    Tensor::<Gpu, 2>::random(
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    Tensor::<B, 2>::random(
         [batch, t],
         Distribution::Uniform(0.0, vocab as f64 - 1.0),
         device,
@@ -216,13 +253,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Median ms of a prefill of `t` tokens.
-fn prefill_ms(model: &Llama<Gpu>, t: usize, vocab: usize, reps: usize) -> f64 {
+fn prefill_ms<B: SlideSparseBackend>(model: &Llama<B>, t: usize, vocab: usize, reps: usize) -> f64 {
     let device = Default::default();
-    let tokens = random_tokens(1, t, vocab, &device);
+    let tokens = random_tokens::<B>(1, t, vocab, &device);
     let run = || {
-        let mut cache = KvCache::default();
+        let mut cache = KvCache::with_capacity(t);
         let _ = model.forward_last(tokens.clone(), &mut cache);
-        Gpu::sync(&device).unwrap();
+        B::sync(&device).unwrap();
     };
     run();
     median(
@@ -236,27 +273,51 @@ fn prefill_ms(model: &Llama<Gpu>, t: usize, vocab: usize, reps: usize) -> f64 {
     )
 }
 
-/// Median ms per decode step at batch `b`, after a context of `max(1024 / b, 64)` tokens
-/// (so the context prefill reuses the GEMM shapes of the prefill runs).
-fn decode_ms(model: &Llama<Gpu>, b: usize, steps: usize, vocab: usize, reps: usize) -> f64 {
+/// Median ms per decode step at batch `b` with `context` tokens per sequence in the cache:
+/// the context is prefilled once, then each run decodes `steps` tokens back to back (one
+/// device sync at the end) and rewinds the cache to the context. Also the host's ms per step
+/// (the time to queue a step when the device is idle, from a run that syncs every step).
+fn decode_ms<B: SlideSparseBackend>(
+    model: &Llama<B>,
+    (b, context): (usize, usize),
+    steps: usize,
+    vocab: usize,
+    reps: usize,
+) -> (f64, f64) {
     let device = Default::default();
-    let context = random_tokens(b, (1024 / b).max(64), vocab, &device);
     let step_tokens: Vec<_> = (0..steps)
-        .map(|_| random_tokens(b, 1, vocab, &device))
+        .map(|_| random_tokens::<B>(b, 1, vocab, &device))
         .collect();
-    let run = || {
-        let mut cache = KvCache::default();
-        let _ = model.forward_last(context.clone(), &mut cache);
-        Gpu::sync(&device).unwrap();
+    let mut cache = KvCache::with_capacity(context + steps);
+    // The context in chunks of <= 16384 tokens (the prefill shapes timed above).
+    let chunk = (16_384 / b).max(1);
+    let mut done = 0;
+    while done < context {
+        let t = chunk.min(context - done);
+        let _ = model.forward_last(random_tokens::<B>(b, t, vocab, &device), &mut cache);
+        done += t;
+    }
+    B::sync(&device).unwrap();
+    let mut run = |host: bool| {
+        cache.truncate(context);
         let start = Instant::now();
+        let mut queued = 0.0;
         for tokens in &step_tokens {
+            let t0 = Instant::now();
             let _ = model.forward_last(tokens.clone(), &mut cache);
+            queued += t0.elapsed().as_secs_f64();
+            if host {
+                B::sync(&device).unwrap();
+            }
         }
-        Gpu::sync(&device).unwrap();
-        start.elapsed().as_secs_f64() * 1e3 / steps as f64
+        B::sync(&device).unwrap();
+        let total = start.elapsed().as_secs_f64();
+        1e3 / steps as f64 * if host { queued } else { total }
     };
-    run();
-    median((0..reps).map(|_| run()).collect())
+    run(false);
+    let device_ms = median((0..reps).map(|_| run(false)).collect());
+    let host_ms = median((0..reps.min(3)).map(|_| run(true)).collect());
+    (device_ms, host_ms)
 }
 
 fn list(s: &str) -> Vec<usize> {
@@ -265,40 +326,148 @@ fn list(s: &str) -> Vec<usize> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    if args.check {
+        check_against_the_cpu::<Gpu>()?;
+        check_against_the_cpu::<Plain>()?;
+    }
+    match args.backend.as_str() {
+        "fusion" => run::<Gpu>(&args),
+        "plain" => run::<Plain>(&args),
+        other => Err(format!("--backend {other}: fusion or plain").into()),
+    }
+}
+
+/// Logits of a small model of Llama-3's head size (2 blocks, GQA 4:1, head dim 128) on `B`
+/// in bf16 against the same weights on the CPU reference in f32: a whole-prompt forward,
+/// the same prompt as a prefill plus cached decode steps (the cache written in place), with
+/// fused and separate projections, dense and 6:8 INT8. Errors if any relative L2 error is
+/// above bf16's and INT8's tolerance.
+fn check_against_the_cpu<B: SlideSparseBackend>() -> Result<(), Box<dyn std::error::Error>> {
+    use burn::{
+        backend::NdArray,
+        record::{BinBytesRecorder, FullPrecisionSettings, Recorder},
+    };
+    let config = LlamaConfig::new(512, 1024, 2048, 2, 8, 2)
+        .with_max_seq_len(256)
+        .with_tie_embeddings(false);
+    let cpu_device = Default::default();
+    let cpu = config.init::<NdArray>(&cpu_device);
+    cpu.visit(&mut Materialize);
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let bytes = recorder.record(cpu.clone().into_record(), ())?;
+    let device = Default::default();
+    let gpu = config
+        .init::<B>(&device)
+        .load_record(recorder.load(bytes, &device)?);
+    let ids: Vec<i64> = (0..40).map(|i| (i * 37 + 11) % 512).collect();
+    for variant in ["bf16", "6:8-int8"] {
+        let (mut reference, mut engine) = (cpu.clone(), gpu.clone());
+        if variant != "bf16" {
+            convert(&mut reference, variant)?;
+            convert(&mut engine, variant)?;
+        }
+        let want = last_logits(&reference, &ids, &[ids.len()]);
+        for fused in [false, true] {
+            let mut engine = engine.clone();
+            if fused {
+                engine.fuse_projections()?;
+            }
+            for chunks in [vec![ids.len()], vec![32, 1, 1, 6]] {
+                let got = last_logits(&engine, &ids, &chunks);
+                let err = relative_l2(&want, &got);
+                let tolerance = if variant == "bf16" { 0.02 } else { 0.05 };
+                eprintln!(
+                    "check {}: {variant}, fused {fused}, chunks {chunks:?}: relative L2 error {err:.2e} (tolerance {tolerance})",
+                    if std::any::type_name::<B>().contains("Fusion") {
+                        "fusion"
+                    } else {
+                        "plain"
+                    }
+                );
+                if err.is_nan() || err > tolerance {
+                    return Err(format!(
+                        "check failed: {variant}, fused {fused}, chunks {chunks:?}: {err}"
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The last position's logits of `ids` fed in `chunks` through one KV cache, as f32.
+fn last_logits<B: SlideSparseBackend>(model: &Llama<B>, ids: &[i64], chunks: &[usize]) -> Vec<f32> {
+    let device = model.embed.weight.device();
+    let mut cache = KvCache::default();
+    let mut at = 0;
+    let mut last = None;
+    for &n in chunks {
+        let tokens = Tensor::<B, 2, Int>::from_data(
+            burn::tensor::TensorData::new(ids[at..at + n].to_vec(), [1, n]),
+            &device,
+        );
+        last = Some(model.forward_last(tokens, &mut cache));
+        at += n;
+    }
+    last.expect("one chunk at least")
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 logits")
+}
+
+fn relative_l2(want: &[f32], got: &[f32]) -> f32 {
+    let diff: f32 = want.iter().zip(got).map(|(a, b)| (a - b).powi(2)).sum();
+    let norm: f32 = want.iter().map(|a| a * a).sum();
+    (diff / norm).sqrt()
+}
+
+/// Every workload of `args` on `model`, into `results` under `name`.
+fn measure<B: SlideSparseBackend>(
+    args: &Args,
+    vocab: usize,
+    name: &str,
+    model: &Llama<B>,
+    results: &mut BTreeMap<(String, String), f64>,
+) {
+    for &t in &list(&args.prefill) {
+        let ms = prefill_ms(model, t, vocab, args.reps);
+        eprintln!(
+            "{name}: prefill {t}: {ms:.3} ms ({:.0} tok/s)",
+            t as f64 / ms * 1e3
+        );
+        results.insert((name.into(), format!("prefill {t}")), ms);
+    }
+    for &b in &list(&args.decode_batch) {
+        let (ms, host) = decode_ms(model, (b, args.context), args.steps, vocab, args.reps);
+        eprintln!(
+            "{name}: decode batch {b}: {ms:.3} ms/step ({:.0} tok/s), host {host:.3} ms/step",
+            b as f64 / ms * 1e3
+        );
+        results.insert((name.into(), format!("decode {b}")), ms);
+        results.insert((name.into(), format!("host {b}")), host);
+    }
+}
+
+fn run<B: SlideSparseBackend>(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let device = Default::default();
     let config = config(&args.model, args.layers)?;
     let vocab = config.vocab_size;
-    // (variant, "prefill T" | "decode B") -> ms; "head-only" is the zero-block model.
+    // (variant, "prefill T" | "decode B" | "host B") -> ms; "head-only" is the zero-block model.
     let mut results: BTreeMap<(String, String), f64> = BTreeMap::new();
-    let mut measure = |name: &str, model: &Llama<Gpu>| {
-        for &t in &list(&args.prefill) {
-            let ms = prefill_ms(model, t, vocab, args.reps);
-            eprintln!(
-                "{name}: prefill {t}: {ms:.3} ms ({:.0} tok/s)",
-                t as f64 / ms * 1e3
-            );
-            results.insert((name.into(), format!("prefill {t}")), ms);
-        }
-        for &b in &list(&args.decode_batch) {
-            let ms = decode_ms(model, b, args.steps, vocab, args.reps);
-            eprintln!(
-                "{name}: decode batch {b}: {ms:.3} ms/step ({:.0} tok/s)",
-                b as f64 / ms * 1e3
-            );
-            results.insert((name.into(), format!("decode {b}")), ms);
-        }
-    };
     if args.weights == "random" {
-        return run_random(&args, &config);
+        return run_random::<B>(args, &config);
     }
     let head_only = LlamaConfig {
         layers: 0,
         ..config.clone()
     }
-    .init::<Gpu>(&device);
-    measure("head-only", &head_only);
+    .init::<B>(&device);
+    measure(args, vocab, "head-only", &head_only, &mut results);
     drop(head_only);
-    let base = config.init::<Gpu>(&device);
+    let base = config.init::<B>(&device);
+    base.visit(&mut Materialize);
     let variants: Vec<String> = args
         .variants
         .split(',')
@@ -308,19 +477,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let started = Instant::now();
         let mut model = base.clone();
         convert(&mut model, variant)?;
+        if !args.separate {
+            model.fuse_projections()?;
+        }
         eprintln!(
             "{variant}: converted in {:.1} s",
             started.elapsed().as_secs_f64()
         );
-        measure(variant, &model);
+        measure(args, vocab, variant, &model, &mut results);
     }
-    print_table(&args, &results, &variants);
+    print_table(args, &results, &variants);
     if let Some(path) = &args.json {
         let rows: Vec<_> = results
             .iter()
             .map(|((v, what), ms)| serde_json::json!({"variant": v, "what": what, "ms": ms}))
             .collect();
-        let json = serde_json::json!({"model": args.model, "layers": args.layers, "results": rows});
+        let json = serde_json::json!({"model": args.model, "layers": args.layers, "backend": args.backend, "results": rows});
         std::fs::write(path, serde_json::to_vec_pretty(&json)?)?;
     }
     Ok(())
@@ -328,7 +500,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// `--weights random`: each variant built, prepared and measured on its own (memory after
 /// preparation, then the workloads), one after the other in this process.
-fn run_random(args: &Args, config: &LlamaConfig) -> Result<(), Box<dyn std::error::Error>> {
+fn run_random<B: SlideSparseBackend>(
+    args: &Args,
+    config: &LlamaConfig,
+) -> Result<(), Box<dyn std::error::Error>> {
     let device = Default::default();
     let vocab = config.vocab_size;
     let mut results: BTreeMap<(String, String), f64> = BTreeMap::new();
@@ -342,17 +517,22 @@ fn run_random(args: &Args, config: &LlamaConfig) -> Result<(), Box<dyn std::erro
                 layers: 0,
                 ..config.clone()
             }
-            .init::<Gpu>(&device)
+            .init::<B>(&device)
         } else {
-            let mut model = config.init::<Gpu>(&device);
+            let mut model = config.init::<B>(&device);
             convert_random(&mut model, variant)?;
             model
         };
         // burn initializes parameters lazily, on first use: materialize them all (the bf16
         // linears, embeddings and head) so that the report counts the whole model.
         model.visit(&mut Materialize);
+        if !args.separate {
+            model.fuse_projections()?;
+        }
         prepare_all(&mut model)?;
-        let report = memory_report(&device)?;
+        // Fusion creates tensors lazily: run what is queued before reading the allocator.
+        B::sync(&device)?;
+        let report = memory_report(&Default::default())?;
         eprintln!(
             "{variant}: built and prepared in {:.1} s; allocator in use {:.0} MiB, reserved {:.0} MiB, driver used {:.0} MiB",
             started.elapsed().as_secs_f64(),
@@ -361,19 +541,10 @@ fn run_random(args: &Args, config: &LlamaConfig) -> Result<(), Box<dyn std::erro
             mib(report.driver_used)
         );
         memory.push((variant.clone(), report));
-        for &t in &list(&args.prefill) {
-            let ms = prefill_ms(&model, t, vocab, args.reps);
-            eprintln!("{variant}: prefill {t}: {ms:.3} ms");
-            results.insert((variant.clone(), format!("prefill {t}")), ms);
-        }
-        for &b in &list(&args.decode_batch) {
-            let ms = decode_ms(&model, b, args.steps, vocab, args.reps);
-            eprintln!("{variant}: decode batch {b}: {ms:.3} ms/step");
-            results.insert((variant.clone(), format!("decode {b}")), ms);
-        }
+        measure(args, vocab, variant, &model, &mut results);
         drop(model);
         // Give the freed pages back so that the next variant's driver figure is its own.
-        release_free_memory(&device);
+        release_free_memory(&Default::default());
     }
     print_memory(args, &memory);
     print_table(args, &results, &variants[1..]);
@@ -383,8 +554,8 @@ fn run_random(args: &Args, config: &LlamaConfig) -> Result<(), Box<dyn std::erro
 /// Reads every float parameter once, which initializes the lazily initialized ones.
 struct Materialize;
 
-impl ModuleVisitor<Gpu> for Materialize {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Gpu, D>>) {
+impl<B: Backend> ModuleVisitor<B> for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let _ = param.val();
     }
 }
@@ -442,8 +613,8 @@ fn print_table(args: &Args, results: &BTreeMap<(String, String), f64>, variants:
         "\n{} with {} blocks, bf16 activations: ms (whole model), x = dense-int8 ms / variant ms, per-block x = the same with the zero-block model's time subtracted",
         args.model, args.layers
     );
-    println!("| variant | workload | ms | tok/s | x vs dense-int8 | per-block x |");
-    println!("|---|---|---|---|---|---|");
+    println!("| variant | workload | ms | tok/s | x vs dense-int8 | per-block x | host ms/step |");
+    println!("|---|---|---|---|---|---|---|");
     for variant in variants {
         for w in &workloads {
             let (Some(ms), Some(dense), Some(head)) = (
@@ -458,8 +629,11 @@ fn print_table(args: &Args, results: &BTreeMap<(String, String), f64>, variants:
                 .nth(1)
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(1);
+            let host = results
+                .get(&(variant.clone(), w.replace("decode", "host")))
+                .map_or("-".to_string(), |h| format!("{h:.3}"));
             println!(
-                "| {variant} | {w} | {ms:.3} | {:.0} | {:.3} | {:.3} |",
+                "| {variant} | {w} | {ms:.3} | {:.0} | {:.3} | {:.3} | {host} |",
                 tokens as f64 / ms * 1e3,
                 dense / ms,
                 (dense - head) / (ms - head)

@@ -18,8 +18,8 @@ use std::{
 
 use burn::backend::NdArray;
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SparseGptCalibration, SparsityPattern, gguf::GgufFile,
-    sparsify_with,
+    PackOptions, Precision, PruneMethod, SlideSparseBackend, SparseGptCalibration, SparsityPattern,
+    gguf::GgufFile, sparsify_with,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -31,7 +31,6 @@ use slidesparse_examples::{
     tokenizer::Tokenizer,
 };
 
-type B = NdArray;
 type Error = Box<dyn std::error::Error>;
 
 #[derive(Parser)]
@@ -73,6 +72,10 @@ struct Args {
     /// SparseGPT: lazy-batch width in columns (rounded up to a multiple of the pattern's block).
     #[arg(long, default_value_t = SparseGptCalibration::DEFAULT_BLOCK_SIZE)]
     block_size: usize,
+    /// `cpu` (NdArray, the reference path) or, with `--features cuda`, `cuda` (burn-cuda
+    /// with fusion, f32 activations).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// A token range of a text file.
@@ -155,13 +158,31 @@ fn main() -> Result<(), Error> {
     {
         return Err(format!("unknown --prune {m}: magnitude, wanda or sparsegpt").into());
     }
-    let dense = load_llama::<B>(&file, args.window.max(2048), &Default::default())?;
+    match args.device.as_str() {
+        "cpu" => evaluate::<NdArray>(&args, &file, &tok, &texts, &methods),
+        #[cfg(feature = "cuda")]
+        "cuda" => evaluate::<burn_slidesparse::cuda::CudaFusionBackend>(
+            &args, &file, &tok, &texts, &methods,
+        ),
+        other => Err(slidesparse_examples::unknown_device(other).into()),
+    }
+}
+
+/// The dense model and every (method, pattern, precision) on `texts`, on backend `B`.
+fn evaluate<B: SlideSparseBackend>(
+    args: &Args,
+    file: &GgufFile,
+    tok: &Tokenizer,
+    texts: &[Span],
+    methods: &[&str],
+) -> Result<(), Error> {
+    let dense = load_llama::<B>(file, args.window.max(2048), &Default::default())?;
     let device = dense.embed.weight.device();
     let calibrated = methods.iter().any(|m| *m != "magnitude");
     let calib = if calibrated {
         let mut ids = Vec::new();
         for spec in &args.calibration {
-            let calib = Span::load(spec, args.calibration_tokens, &tok)?;
+            let calib = Span::load(spec, args.calibration_tokens, tok)?;
             if let Some(t) = texts.iter().find(|t| t.overlaps(&calib)) {
                 return Err(format!(
                     "the calibration tokens {} overlap the evaluated tokens {}",
@@ -200,7 +221,7 @@ fn main() -> Result<(), Error> {
     let mut rows: Vec<(String, Vec<f64>)> = Vec::new();
     let mut report = |name: String, model: &Llama<B>| {
         let mut ppls = Vec::new();
-        for t in &texts {
+        for t in texts {
             let start = Instant::now();
             let (ppl, n) = perplexity(model, &t.ids, args.window, args.stride);
             println!(
@@ -217,7 +238,7 @@ fn main() -> Result<(), Error> {
         Some(batch) if methods.contains(&"wanda") => dense.input_norms(batch.clone()),
         _ => Default::default(),
     };
-    for &method in &methods {
+    for &method in methods {
         for pattern in args.patterns.split(',') {
             for precision in args.precisions.split(',') {
                 let (pattern, precision): (SparsityPattern, Precision) =

@@ -147,12 +147,25 @@ pub fn load_llama<B: Backend>(
         let name = |t: &str| format!("blk.{i}.{t}.weight");
         block.attn_norm = norm(block.attn_norm.clone(), file, &name("attn_norm"), h, device)?;
         block.mlp_norm = norm(block.mlp_norm.clone(), file, &name("ffn_norm"), h, device)?;
-        block.q = linear(file, &name("attn_q"), config.heads * hd, h, device)?.into();
-        block.k = linear(file, &name("attn_k"), config.kv_heads * hd, h, device)?.into();
-        block.v = linear(file, &name("attn_v"), config.kv_heads * hd, h, device)?.into();
+        block.attn_in.set(
+            0,
+            linear(file, &name("attn_q"), config.heads * hd, h, device)?.into(),
+        );
+        block.attn_in.set(
+            1,
+            linear(file, &name("attn_k"), config.kv_heads * hd, h, device)?.into(),
+        );
+        block.attn_in.set(
+            2,
+            linear(file, &name("attn_v"), config.kv_heads * hd, h, device)?.into(),
+        );
         block.o = linear(file, &name("attn_output"), h, config.heads * hd, device)?.into();
-        block.gate = linear(file, &name("ffn_gate"), ff, h, device)?.into();
-        block.up = linear(file, &name("ffn_up"), ff, h, device)?.into();
+        block
+            .mlp_in
+            .set(0, linear(file, &name("ffn_gate"), ff, h, device)?.into());
+        block
+            .mlp_in
+            .set(1, linear(file, &name("ffn_up"), ff, h, device)?.into());
         block.down = linear(file, &name("ffn_down"), h, ff, device)?.into();
     }
     model.norm = norm(model.norm.clone(), file, "output_norm.weight", h, device)?;

@@ -362,30 +362,39 @@ pub fn load_hf_llama<B: Backend>(
             hd,
             h,
         );
-        block.q = linear_from_rows(
-            &q,
-            q_out,
-            h,
-            bias("self_attn.q_proj", q_out, config.heads)?,
-            device,
-        )
-        .into();
-        block.k = linear_from_rows(
-            &k,
-            kv_out,
-            h,
-            bias("self_attn.k_proj", kv_out, config.kv_heads)?,
-            device,
-        )
-        .into();
-        block.v = linear_from_rows(
-            &dense("self_attn.v_proj", kv_out, h)?,
-            kv_out,
-            h,
-            bias("self_attn.v_proj", kv_out, 0)?,
-            device,
-        )
-        .into();
+        block.attn_in.set(
+            0,
+            linear_from_rows(
+                &q,
+                q_out,
+                h,
+                bias("self_attn.q_proj", q_out, config.heads)?,
+                device,
+            )
+            .into(),
+        );
+        block.attn_in.set(
+            1,
+            linear_from_rows(
+                &k,
+                kv_out,
+                h,
+                bias("self_attn.k_proj", kv_out, config.kv_heads)?,
+                device,
+            )
+            .into(),
+        );
+        block.attn_in.set(
+            2,
+            linear_from_rows(
+                &dense("self_attn.v_proj", kv_out, h)?,
+                kv_out,
+                h,
+                bias("self_attn.v_proj", kv_out, 0)?,
+                device,
+            )
+            .into(),
+        );
         block.o = linear_from_rows(
             &dense("self_attn.o_proj", h, q_out)?,
             h,
@@ -394,8 +403,10 @@ pub fn load_hf_llama<B: Backend>(
             device,
         )
         .into();
-        block.gate = linear_from_rows(&dense("mlp.gate_proj", ff, h)?, ff, h, None, device).into();
-        block.up = linear_from_rows(&dense("mlp.up_proj", ff, h)?, ff, h, None, device).into();
+        let gate = linear_from_rows(&dense("mlp.gate_proj", ff, h)?, ff, h, None, device);
+        block.mlp_in.set(0, gate.into());
+        let up = linear_from_rows(&dense("mlp.up_proj", ff, h)?, ff, h, None, device);
+        block.mlp_in.set(1, up.into());
         block.down = linear_from_rows(&dense("mlp.down_proj", h, ff)?, h, ff, None, device).into();
         block.attn_norm = norm(block.attn_norm.clone(), &name("input_layernorm.weight"))?;
         block.mlp_norm = norm(
@@ -414,6 +425,19 @@ pub fn load_hf_llama<B: Backend>(
 }
 
 /// `[out, in]` rows of a dense layer of the model (burn stores `[in, out]`).
+/// Separate projection `index`, or an error once [`Llama::fuse_projections`] merged them.
+fn separate<B: Backend>(
+    layers: &crate::llama::Projections<B>,
+    index: usize,
+) -> Result<&burn_slidesparse::MaybeSparseLinear<B>, SlideSparseError> {
+    layers.separate().map(|l| &l[index]).ok_or_else(|| {
+        SlideSparseError::Backend(
+            "the model's projections are fused: write the checkpoint before fuse_projections"
+                .into(),
+        )
+    })
+}
+
 fn rows_of<B: Backend>(
     layer: &burn_slidesparse::MaybeSparseLinear<B>,
     name: &str,
@@ -476,12 +500,16 @@ pub fn write_hf_checkpoint<B: Backend>(
     for (i, b) in model.blocks.iter().enumerate() {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         for (name, layer, heads) in [
-            ("self_attn.q_proj", &b.q, config.heads),
-            ("self_attn.k_proj", &b.k, config.kv_heads),
-            ("self_attn.v_proj", &b.v, 0),
+            ("self_attn.q_proj", separate(&b.attn_in, 0)?, config.heads),
+            (
+                "self_attn.k_proj",
+                separate(&b.attn_in, 1)?,
+                config.kv_heads,
+            ),
+            ("self_attn.v_proj", separate(&b.attn_in, 2)?, 0),
             ("self_attn.o_proj", &b.o, 0),
-            ("mlp.gate_proj", &b.gate, 0),
-            ("mlp.up_proj", &b.up, 0),
+            ("mlp.gate_proj", separate(&b.mlp_in, 0)?, 0),
+            ("mlp.up_proj", separate(&b.mlp_in, 1)?, 0),
             ("mlp.down_proj", &b.down, 0),
         ] {
             let (w, shape) = rows_of(layer, name)?;

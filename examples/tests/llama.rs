@@ -146,12 +146,12 @@ fn tiny_gguf(model: &Llama<B>, config: &LlamaConfig) -> Vec<u8> {
             norm(b.mlp_norm.gamma.val()),
         );
         for (n, l) in [
-            ("attn_q", &b.q),
-            ("attn_k", &b.k),
-            ("attn_v", &b.v),
+            ("attn_q", &b.attn_in.separate().unwrap()[0]),
+            ("attn_k", &b.attn_in.separate().unwrap()[1]),
+            ("attn_v", &b.attn_in.separate().unwrap()[2]),
             ("attn_output", &b.o),
-            ("ffn_gate", &b.gate),
-            ("ffn_up", &b.up),
+            ("ffn_gate", &b.mlp_in.separate().unwrap()[0]),
+            ("ffn_up", &b.mlp_in.separate().unwrap()[1]),
             ("ffn_down", &b.down),
         ] {
             add(format!("blk.{i}.{n}.weight"), w(l));
@@ -455,12 +455,15 @@ fn gguf_loader_reads_a_model_mixing_k_quant_types() {
     let model = load_llama::<B>(&file, 16, &Default::default()).unwrap();
     let block = &model.blocks[0];
     for (name, layer) in [
-        ("blk.0.attn_q.weight", &block.q),
-        ("blk.0.attn_k.weight", &block.k),
-        ("blk.0.attn_v.weight", &block.v),
+        ("blk.0.attn_q.weight", &block.attn_in.separate().unwrap()[0]),
+        ("blk.0.attn_k.weight", &block.attn_in.separate().unwrap()[1]),
+        ("blk.0.attn_v.weight", &block.attn_in.separate().unwrap()[2]),
         ("blk.0.attn_output.weight", &block.o),
-        ("blk.0.ffn_gate.weight", &block.gate),
-        ("blk.0.ffn_up.weight", &block.up),
+        (
+            "blk.0.ffn_gate.weight",
+            &block.mlp_in.separate().unwrap()[0],
+        ),
+        ("blk.0.ffn_up.weight", &block.mlp_in.separate().unwrap()[1]),
         ("blk.0.ffn_down.weight", &block.down),
         ("output.weight", &model.lm_head),
     ] {
@@ -546,4 +549,108 @@ fn hf_loader_reads_sharded_checkpoints_lazily_and_refuses_a_tensor_in_two_shards
             assert!(max < 1e-5, "max logit difference {max}");
         }
     }
+}
+
+/// Fusing q/k/v and gate/up gives the logits of the separate layers (dense f32, SlideSparse
+/// f32 and INT8, dense INT8), lists the fused names, and refuses layers of mixed kinds.
+#[test]
+fn fused_projections_give_the_logits_of_separate_ones() {
+    let device = Default::default();
+    let ids = [3, 17, 42, 5, 9];
+    let mut dense = tiny_config().with_qkv_bias(true).init::<B>(&device);
+    prune_dense_in_place(&mut dense, SparsityPattern::P6_8);
+    // burn initializes parameters lazily, each clone on its own: materialize them first.
+    logits(&dense, &ids);
+    let blocks_only = |n: &str| n != "lm_head";
+    let variants: Vec<(&str, Llama<B>)> = vec![
+        ("dense", dense.clone()),
+        ("6:8 f32", {
+            let mut m = dense.clone();
+            sparsify(
+                &mut m,
+                &PackOptions::new(SparsityPattern::P6_8, Precision::F32),
+                blocks_only,
+            )
+            .unwrap();
+            m
+        }),
+        ("6:8 int8", {
+            let mut m = dense.clone();
+            sparsify(
+                &mut m,
+                &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+                blocks_only,
+            )
+            .unwrap();
+            m
+        }),
+        ("dense int8", {
+            let mut m = dense.clone();
+            burn_slidesparse::quantize_dense(&mut m, Precision::Int8, blocks_only).unwrap();
+            m
+        }),
+    ];
+    for (what, separate) in variants {
+        let mut fused = separate.clone();
+        fused.fuse_projections().unwrap();
+        let (a, b) = (logits(&separate, &ids), logits(&fused, &ids));
+        let err = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "{what}: max |diff| {err}");
+        let mut names = Vec::new();
+        fused
+            .visit_linears(&mut |name, _| {
+                names.push(name.to_string());
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(
+            &names[..4],
+            [
+                "layers.0.qkv_proj",
+                "layers.0.o_proj",
+                "layers.0.gate_up_proj",
+                "layers.0.down_proj"
+            ],
+            "{what}"
+        );
+    }
+    // One sparse and two dense projections cannot be one layer: an error, the model unchanged.
+    let mut mixed = dense.clone();
+    let block = &mut mixed.blocks[0];
+    let q = burn_slidesparse::SlideSparseLinear::from_linear(
+        block.attn_in.separate().unwrap()[0].dense().unwrap(),
+        &PackOptions::new(SparsityPattern::P6_8, Precision::F32),
+    )
+    .unwrap();
+    block.attn_in.set(0, q.into());
+    let err = block.fuse_projections().unwrap_err();
+    assert!(err.to_string().contains("different kinds"), "{err}");
+    assert!(block.attn_in.separate().is_some_and(|l| l.len() == 3));
+}
+
+/// A cache given its capacity up front and one that grows (copying) give the same logits.
+#[test]
+fn kv_cache_capacity_given_or_grown_gives_the_same_logits() {
+    let model = tiny_config().init::<B>(&Default::default());
+    let ids = [1i64, 2, 3, 4, 5, 6, 7];
+    let run = |mut cache: KvCache<B>| {
+        let mut out = Vec::new();
+        for chunk in [&ids[..3], &ids[3..4], &ids[4..6], &ids[6..]] {
+            let l: Vec<f32> = model
+                .forward(tokens(chunk), &mut cache)
+                .into_data()
+                .into_vec()
+                .unwrap();
+            out.extend(l);
+        }
+        (out, cache.capacity())
+    };
+    let (grown, cap_grown) = run(KvCache::default());
+    let (given, cap_given) = run(KvCache::with_capacity(16));
+    assert_eq!((cap_grown, cap_given), (12, 16));
+    assert_eq!(grown, given);
 }
