@@ -76,7 +76,7 @@ pub fn shard_packed(
         }
         Parallelism::Row => {
             let block = layer.pattern.block_len();
-            let k_shard = row_split(&layer.name, layer.in_features, ranks, block, "2N")?;
+            let k_shard = row_split(&layer.name, layer.in_features, ranks, block)?;
             let geometry = layer.pattern.geometry(k_shard, layer.alignment);
             // Whole blocks, so the shard's slid columns are one contiguous range of `W'`.
             let slid = geometry.k_slide();
@@ -122,7 +122,7 @@ pub fn shard_quantized(
                 .collect())
         }
         Parallelism::Row => {
-            let k_shard = row_split(name, weight.cols, ranks, 1, "1")?;
+            let k_shard = row_split(name, weight.cols, ranks, 1)?;
             Ok((0..ranks)
                 .map(|r| DenseShard {
                     weight: take_columns(weight, r * k_shard, k_shard, k_shard),
@@ -176,20 +176,25 @@ fn column_split(name: &str, rows: usize, ranks: usize) -> Result<usize> {
 }
 
 /// Input columns per rank: `K / ranks`, which must be a multiple of `block` (`2N` for a
-/// packed layer, so that no pattern block straddles two ranks).
-fn row_split(name: &str, k: usize, ranks: usize, block: usize, block_name: &str) -> Result<usize> {
+/// packed layer, so that no pattern block straddles two ranks; 1 for a dense one).
+fn row_split(name: &str, k: usize, ranks: usize, block: usize) -> Result<usize> {
     if ranks == 0 {
         return Err(no_ranks(name));
     }
     let unit = ranks * block;
     if k == 0 || !k.is_multiple_of(unit) {
+        let needed = if block == 1 {
+            format!("{ranks} ranks")
+        } else {
+            format!(
+                "ranks x 2N = {ranks} x {block} = {unit} (each rank must hold whole pattern \
+                 blocks)"
+            )
+        };
         return Err(SlideSparseError::InvalidSplit {
             layer: name.to_string(),
             ranks,
-            detail: format!(
-                "row-parallel: K = {k} is not a positive multiple of ranks x {block_name} = \
-                 {ranks} x {block} = {unit} (each rank must hold whole pattern blocks)"
-            ),
+            detail: format!("row-parallel: K = {k} is not a positive multiple of {needed}"),
         });
     }
     Ok(k / ranks)

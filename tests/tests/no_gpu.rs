@@ -170,3 +170,55 @@ fn a_missing_nccl_is_a_typed_error_naming_what_was_searched() {
         }
     }
 }
+
+#[test]
+fn cusparselt_and_nccl_search_the_same_pip_folders_in_the_same_order() {
+    use burn_slidesparse::cuda::{cusparselt::sys as cusparselt, nccl};
+    let config = config_of(&[
+        ("SLIDESPARSE_CUSPARSELT", "/x/libcusparseLt.so.0"),
+        ("VIRTUAL_ENV", "/venv"),
+        ("HOME", "/home/u"),
+    ])
+    .unwrap();
+    let paths = cusparselt::candidate_paths(&config);
+    let pip = |root: &str, py: &str, pkgs: &str, wheel: &str, file: &str| {
+        PathBuf::from(format!("{root}/lib/{py}/{pkgs}/nvidia/{wheel}/{file}"))
+    };
+    let so = "libcusparseLt.so.0";
+    assert_eq!(
+        paths[..2],
+        [PathBuf::from("/x/libcusparseLt.so.0"), PathBuf::from(so)]
+    );
+    assert_eq!(
+        paths[2..6],
+        [
+            pip("/venv", "python3.10", "site-packages", "cusparselt/lib", so),
+            pip("/venv", "python3.10", "site-packages", "cu13/lib", so),
+            pip("/venv", "python3.10", "dist-packages", "cusparselt/lib", so),
+            pip("/venv", "python3.10", "dist-packages", "cu13/lib", so),
+        ]
+    );
+    // Environments: VIRTUAL_ENV, ~/.local, then /opt/torch/.venv, /usr/local, /usr; five
+    // Python versions, two package folders, two wheels each.
+    assert_eq!(paths.len(), 2 + 5 * 5 * 2 * 2);
+    assert_eq!(
+        paths.last().unwrap(),
+        &pip("/usr", "python3.14", "dist-packages", "cu13/lib", so)
+    );
+    let nccl_paths = nccl::candidate_paths(&config);
+    assert_eq!(
+        nccl_paths.len(),
+        1 + 5 * 5 * 2 * 2,
+        "no SLIDESPARSE_NCCL given"
+    );
+    assert_eq!(
+        nccl_paths[1],
+        pip(
+            "/venv",
+            "python3.10",
+            "site-packages",
+            "nccl/lib",
+            nccl::LIBRARY_NAME
+        )
+    );
+}

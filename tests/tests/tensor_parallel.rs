@@ -511,7 +511,7 @@ fn splits_that_cannot_work_are_typed_errors() {
         Precision::Int8,
     );
     let err = shard_quantized("dense", &weight, None, Parallelism::Row, 4).unwrap_err();
-    expect_invalid_split(err, 4, &["K = 10"]);
+    expect_invalid_split(err, 4, &["K = 10", "multiple of 4 ranks"]);
     let err = shard_quantized("dense", &weight, None, Parallelism::Column, 4).unwrap_err();
     expect_invalid_split(err, 4, &["out = 6"]);
     let err =
