@@ -159,9 +159,7 @@ impl Config {
             python_roots,
         })
     }
-}
 
-impl Config {
     /// Python environments searched for NVIDIA's pip wheels: the configured ones, then the
     /// usual system-wide and container ones.
     pub fn python_environments(&self) -> Vec<PathBuf> {
@@ -173,8 +171,8 @@ impl Config {
     }
 
     /// `file` in each of `subdirs` of the `nvidia` folder of every pip package folder
-    /// (`lib/python3.*/{site,dist}-packages/nvidia`) of [`python_environments`]
-    /// (Self::python_environments), in that order.
+    /// (`lib/python3.*/{site,dist}-packages/nvidia`) of every environment of
+    /// [`python_environments`](Self::python_environments), in that order.
     pub fn pip_library_paths(&self, subdirs: &[&str], file: &str) -> Vec<PathBuf> {
         let mut paths = Vec::new();
         for root in self.python_environments() {
