@@ -229,6 +229,17 @@ pub enum SlideSparseError {
         detail: String,
     },
 
+    /// A layer that cannot be split over the requested number of tensor-parallel ranks.
+    #[error("{layer}: cannot split over {ranks} tensor-parallel ranks: {detail}")]
+    InvalidSplit {
+        /// The layer.
+        layer: String,
+        /// The number of ranks asked for.
+        ranks: usize,
+        /// Which dimension does not divide, and what would.
+        detail: String,
+    },
+
     /// A saved record that cannot be loaded into the model: unreadable, or of other layer
     /// kinds than the model's (a sparse record into a dense-built model).
     #[error("loading a record: {detail}")]

@@ -28,10 +28,12 @@ mod prune;
 mod quant;
 mod quantized;
 mod reference;
+mod shard;
 mod slide;
 mod swap;
 #[cfg(feature = "internals")]
 mod synthetic;
+mod tensor_parallel;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -63,10 +65,12 @@ pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
 pub use quant::{Precision, QuantizedWeight, WeightCodes};
 pub use quantized::QuantizedLinear;
 pub use reference::ReferencePrepared;
+pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};
 pub use swap::{
     MaybeSparseLinear, VisitLinears, load_file, load_packed, load_packed_file, load_record,
     mask_with, prepare_all, quantize_dense, sparsify, sparsify_with,
 };
+pub use tensor_parallel::{Collective, SimulatedRanks, TensorParallelLinear};
 
 /// What `impl_reference_backend!` expands to; not an API.
 #[doc(hidden)]

@@ -66,11 +66,13 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     /// `SLIDESPARSE_CUSPARSELT`: the cuSPARSELt library file to load first.
     pub cusparselt: Option<PathBuf>,
+    /// `SLIDESPARSE_NCCL`: the NCCL library file to load first (tensor parallelism).
+    pub nccl: Option<PathBuf>,
     /// `SLIDESPARSE_CUPTI`: the CUPTI library file to load first.
     pub cupti: Option<PathBuf>,
     /// `CUDA_PATH` (default `/usr/local/cuda`): where CUPTI is looked for.
     pub cuda_path: PathBuf,
-    /// Roots of Python environments whose pip folders may hold cuSPARSELt
+    /// Roots of Python environments whose pip folders may hold cuSPARSELt and NCCL
     /// (`VIRTUAL_ENV`, `CONDA_PREFIX`, `~/.local`).
     pub python_roots: Vec<PathBuf>,
 }
@@ -151,12 +153,48 @@ impl Config {
             algo_search: ALGO_SEARCH.read(lookup(ALGO_SEARCH.variable))?,
             cache_dir,
             cusparselt: path("SLIDESPARSE_CUSPARSELT"),
+            nccl: path("SLIDESPARSE_NCCL"),
             cupti: path("SLIDESPARSE_CUPTI"),
             cuda_path: path("CUDA_PATH").unwrap_or_else(|| PathBuf::from("/usr/local/cuda")),
             python_roots,
         })
     }
+
+    /// Python environments searched for NVIDIA's pip wheels: the configured ones, then the
+    /// usual system-wide and container ones.
+    pub fn python_environments(&self) -> Vec<PathBuf> {
+        self.python_roots
+            .iter()
+            .cloned()
+            .chain(["/opt/torch/.venv", "/usr/local", "/usr"].map(PathBuf::from))
+            .collect()
+    }
+
+    /// `file` in each of `subdirs` of the `nvidia` folder of every pip package folder
+    /// (`lib/python3.*/{site,dist}-packages/nvidia`) of every environment of
+    /// [`python_environments`](Self::python_environments), in that order.
+    pub fn pip_library_paths(&self, subdirs: &[&str], file: &str) -> Vec<PathBuf> {
+        let mut paths = Vec::new();
+        for root in self.python_environments() {
+            for py in PYTHON_VERSIONS {
+                for pkgs in ["site-packages", "dist-packages"] {
+                    let base = root.join("lib").join(py).join(pkgs).join("nvidia");
+                    paths.extend(subdirs.iter().map(|d| base.join(d).join(file)));
+                }
+            }
+        }
+        paths
+    }
 }
+
+/// The Python versions whose pip folders are searched.
+const PYTHON_VERSIONS: [&str; 5] = [
+    "python3.10",
+    "python3.11",
+    "python3.12",
+    "python3.13",
+    "python3.14",
+];
 
 /// The process's configuration, read from the environment on first use.
 pub fn config() -> Result<&'static Config> {

@@ -8,8 +8,9 @@
 //!    pointers), `driver` (typed driver errors, device, context), `accumulator` (what a
 //!    GEMM writes);
 //! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
-//!    `cublaslt`, `cupti`, `side_kernels`; `algo_cache` (search results on disk);
-//!    `attention` (own NVRTC flash-attention kernels, ordered like `ordering.rs`);
+//!    `cublaslt`, `cupti`, `nccl` (the library, found at run time, for tensor parallelism),
+//!    `side_kernels`; `algo_cache` (search results on disk); `attention` (own
+//!    NVRTC flash-attention kernels, ordered like `ordering.rs`);
 //! 3. buffers and ordering: `buffers` (held and kept device buffers), `graphs` (GEMM calls
 //!    replayed as CUDA graphs), `device_thread` (work on cubecl's device thread),
 //!    `ordering` (per-thread lanes; the GEMM on burn's stream), `launch` (kernel launches);
@@ -48,6 +49,7 @@ internal_modules!(
     graphs,
     launch,
     memory,
+    nccl,
     ordering,
     pipeline,
     prepare,

@@ -125,26 +125,7 @@ const LIBRARY_NAME: &str = "libcusparseLt.so.0";
 pub fn candidate_paths(config: &Config) -> Vec<PathBuf> {
     let mut paths: Vec<PathBuf> = config.cusparselt.iter().cloned().collect();
     paths.push(PathBuf::from(LIBRARY_NAME));
-    let roots = config
-        .python_roots
-        .iter()
-        .cloned()
-        .chain(["/opt/torch/.venv", "/usr/local", "/usr"].map(PathBuf::from));
-    for root in roots {
-        for py in [
-            "python3.10",
-            "python3.11",
-            "python3.12",
-            "python3.13",
-            "python3.14",
-        ] {
-            for pkgs in ["site-packages", "dist-packages"] {
-                let base = root.join("lib").join(py).join(pkgs).join("nvidia");
-                paths.push(base.join("cusparselt/lib").join(LIBRARY_NAME));
-                paths.push(base.join("cu13/lib").join(LIBRARY_NAME));
-            }
-        }
-    }
+    paths.extend(config.pip_library_paths(&["cusparselt/lib", "cu13/lib"], LIBRARY_NAME));
     paths
 }
 

@@ -1,0 +1,194 @@
+//! NCCL, the collective library tensor-parallel layers reduce their partial outputs with,
+//! loaded at run time with `libloading` like cuSPARSELt, so that no GPU and one GPU need no
+//! NCCL and nothing links against it at build time.
+//!
+//! Only the library and its entry points are here: finding it (`SLIDESPARSE_NCCL`, the
+//! loader path, the pip folders), binding the calls an all-reduce on burn's stream needs,
+//! and a typed error naming what was searched. cudarc's `nccl` feature is not used: its
+//! loader searches bare library names only (not `libnccl.so.2`, the one file NVIDIA's pip
+//! wheel ships) and panics when none loads.
+
+#![allow(non_camel_case_types, non_snake_case)]
+
+use std::{
+    ffi::{CStr, c_char, c_int, c_void},
+    path::{Path, PathBuf},
+};
+
+use libloading::Library;
+
+use crate::{
+    cuda::config::Config,
+    error::{Result, SlideSparseError},
+};
+
+/// `ncclResult_t` (0 is success).
+pub type NcclResult = c_int;
+/// `ncclComm_t`.
+pub type Comm = *mut c_void;
+/// `cudaStream_t`.
+pub type Stream = *mut c_void;
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value to `ncclCommInitRank`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    /// The bytes, as NCCL writes them.
+    pub internal: [c_char; 128],
+}
+
+/// `ncclDataType_t` values the layers reduce in.
+pub mod data_type {
+    pub const INT32: i32 = 2;
+    pub const FLOAT16: i32 = 6;
+    pub const FLOAT32: i32 = 7;
+    pub const BFLOAT16: i32 = 9;
+}
+
+/// `ncclRedOp_t` values.
+pub mod op {
+    pub const SUM: i32 = 0;
+    pub const MAX: i32 = 2;
+}
+
+macro_rules! bindings {
+    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
+        /// The loaded library and its entry points.
+        pub struct Nccl {
+            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
+            /// Where the library was found.
+            pub path: PathBuf,
+            _lib: Library,
+        }
+
+        impl Nccl {
+            fn from_library(lib: Library, path: PathBuf) -> std::result::Result<Self, String> {
+                // SAFETY: each symbol is looked up by its exact C name and given the
+                // signature of `nccl.h` (2.18 and later); the library outlives the pointers
+                // (`_lib`).
+                unsafe {
+                    Ok(Self {
+                        $($name: *lib
+                            .get(concat!(stringify!($name), "\0").as_bytes())
+                            .map_err(|e| format!("{}: {e}", stringify!($name)))?,)*
+                        path,
+                        _lib: lib,
+                    })
+                }
+            }
+        }
+    };
+}
+
+bindings! {
+    ncclGetVersion: fn(*mut c_int) -> NcclResult;
+    ncclGetErrorString: fn(NcclResult) -> *const c_char;
+    ncclGetUniqueId: fn(*mut UniqueId) -> NcclResult;
+    ncclCommInitRank: fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult;
+    ncclCommInitAll: fn(*mut Comm, c_int, *const c_int) -> NcclResult;
+    ncclCommDestroy: fn(Comm) -> NcclResult;
+    ncclCommGetAsyncError: fn(Comm, *mut NcclResult) -> NcclResult;
+    ncclAllReduce: fn(*const c_void, *mut c_void, usize, i32, i32, Comm, Stream) -> NcclResult;
+    ncclGroupStart: fn() -> NcclResult;
+    ncclGroupEnd: fn() -> NcclResult;
+}
+
+/// File name of the library on Linux (its soname; pip's wheel ships only this file).
+pub const LIBRARY_NAME: &str = "libnccl.so.2";
+
+/// The pip wheels' folders under `nvidia/` that hold the library.
+const PIP_FOLDERS: [&str; 2] = ["nccl/lib", "cu13/lib"];
+
+/// Places to look for the library, in order: `SLIDESPARSE_NCCL` (a file), the loader path
+/// (bare name), then the pip wheels' folders under every Python environment we know of.
+pub fn candidate_paths(config: &Config) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = config.nccl.iter().cloned().collect();
+    paths.push(PathBuf::from(LIBRARY_NAME));
+    paths.extend(config.pip_library_paths(&PIP_FOLDERS, LIBRARY_NAME));
+    paths
+}
+
+impl Nccl {
+    /// Loads the first library that opens and exports every entry point, or
+    /// [`SlideSparseError::LibraryUnavailable`] naming every place searched.
+    pub fn load(config: &Config) -> Result<Self> {
+        let mut tried = Vec::new();
+        for path in candidate_paths(config) {
+            let explicit = config.nccl.as_deref() == Some(path.as_path());
+            if path.components().count() > 1 && !path.exists() {
+                // A pip folder that does not exist is not worth a line; a file the user
+                // named is.
+                if explicit {
+                    tried.push(format!("{} (SLIDESPARSE_NCCL: no such file)", path.display()));
+                }
+                continue;
+            }
+            // SAFETY: loading a shared library runs its initializers; NCCL's are the
+            // vendor's and have no preconditions.
+            match unsafe { Library::new(&path) } {
+                Ok(lib) => match Self::from_library(lib, path.clone()) {
+                    Ok(loaded) => return Ok(loaded),
+                    Err(missing) => {
+                        tried.push(format!("{} (missing symbol {missing})", path.display()))
+                    }
+                },
+                Err(e) => tried.push(format!("{} ({e})", path.display())),
+            }
+        }
+        Err(SlideSparseError::LibraryUnavailable {
+            library: "NCCL",
+            detail: format!(
+                "{LIBRARY_NAME} (>= 2.18) did not load; tensor parallelism over GPUs needs it \
+                 (one GPU does not). Install it (pip install nvidia-nccl-cu13, or NVIDIA's \
+                 package) and/or set SLIDESPARSE_NCCL to the library file. Tried: {}. \
+                 Searched the pip folders nvidia/{{{}}} under: {}",
+                tried.join("; "),
+                PIP_FOLDERS.join(","),
+                config
+                    .python_environments()
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
+    }
+
+    /// NCCL's version as `major * 10000 + minor * 100 + patch` (2.21.5 is 22105); a
+    /// library whose version query fails is unusable.
+    pub fn version(&self) -> Result<i32> {
+        let mut version: c_int = 0;
+        // SAFETY: `ncclGetVersion` writes one int through a valid pointer; it needs no GPU.
+        let status = unsafe { (self.ncclGetVersion)(&mut version) };
+        if status != 0 {
+            return Err(SlideSparseError::LibraryUnavailable {
+                library: "NCCL",
+                detail: format!(
+                    "{}: ncclGetVersion failed with status {status}: {}",
+                    self.path.display(),
+                    self.error_string(status)
+                ),
+            });
+        }
+        Ok(version)
+    }
+
+    /// Where the library was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// NCCL's description of a status.
+    pub fn error_string(&self, status: NcclResult) -> String {
+        // SAFETY: `ncclGetErrorString` returns a static NUL-terminated string for any
+        // status value (checked for null all the same).
+        unsafe {
+            let text = (self.ncclGetErrorString)(status);
+            if text.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(text).to_string_lossy().into_owned()
+            }
+        }
+    }
+}

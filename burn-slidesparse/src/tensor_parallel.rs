@@ -1,0 +1,293 @@
+//! Running a layer split over tensor-parallel ranks: the collectives as a trait, ranks
+//! simulated in one process for the reference path, and a layer that runs its shards and
+//! combines their outputs.
+//!
+//! One process drives every rank (one device each), as a single-controller server does:
+//! a collective takes one tensor per rank and gives one back per rank, on that rank's
+//! device. [`SimulatedRanks`] does this with tensor operations in rank order, which is what
+//! the CPU tests check the sharding math with.
+//!
+//! What is exact (see `docs/decisions/tensor-parallel.md`): column-parallel gives every
+//! output element from the same codes and scales as the un-sharded layer, for every
+//! precision. Row-parallel is exact for the float precisions wherever the partial sums are
+//! exact (integer-valued data), but not for INT8/FP8: each rank quantizes its slice of a
+//! token with a per-token scale over that slice, which is at most the un-sharded scale over
+//! the whole row, so the codes differ (each within its own, finer, quantization step).
+
+use burn::tensor::{Tensor, backend::Backend};
+
+use crate::{
+    backend::SlideSparseBackend,
+    error::{Result, SlideSparseError},
+    module::{SlideSparseLinear, on_rows},
+    pack::PackedLinear,
+    quant::QuantizedWeight,
+    quantized::QuantizedLinear,
+    shard::{Parallelism, input_range, shard_packed, shard_quantized},
+};
+
+/// The collectives tensor-parallel layers need, over the ranks of one process. Each takes
+/// one `[M, n]` tensor per rank (rank 0 first, each on its rank's device) and returns one
+/// per rank, on the same devices.
+pub trait Collective<B: Backend> {
+    /// Number of ranks.
+    fn ranks(&self) -> usize;
+
+    /// Every rank gets the element-wise sum of all ranks' tensors (row-parallel layers).
+    fn all_reduce_sum(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>>;
+
+    /// Every rank gets all ranks' tensors concatenated along the last dimension, rank 0's
+    /// columns first (column-parallel layers whose output is needed whole).
+    fn all_gather(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>>;
+}
+
+/// Ranks simulated in one process with tensor operations: the reference path's collective.
+/// The sum is taken in rank order on rank 0's device, then copied to every rank's device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimulatedRanks {
+    ranks: usize,
+}
+
+impl SimulatedRanks {
+    /// `ranks` simulated ranks (at least one).
+    pub fn new(ranks: usize) -> Result<Self> {
+        if ranks == 0 {
+            return Err(SlideSparseError::InvalidSplit {
+                layer: "SimulatedRanks".into(),
+                ranks,
+                detail: "at least one rank is needed".into(),
+            });
+        }
+        Ok(Self { ranks })
+    }
+
+    fn check<B: Backend>(&self, what: &str, parts: &[Tensor<B, 2>]) -> Result<()> {
+        if parts.len() != self.ranks {
+            return Err(SlideSparseError::shape(
+                format!("{what}: tensors (one per rank)"),
+                self.ranks,
+                parts.len(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `value` copied to the device of every part.
+    fn to_every_rank<B: Backend>(value: Tensor<B, 2>, parts: &[Tensor<B, 2>]) -> Vec<Tensor<B, 2>> {
+        parts
+            .iter()
+            .map(|p| value.clone().to_device(&p.device()))
+            .collect()
+    }
+}
+
+impl<B: Backend> Collective<B> for SimulatedRanks {
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn all_reduce_sum(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>> {
+        self.check("all_reduce_sum", &parts)?;
+        let dims = parts[0].dims();
+        if let Some(p) = parts.iter().find(|p| p.dims() != dims) {
+            return Err(SlideSparseError::shape(
+                "all_reduce_sum: a rank's tensor",
+                dims,
+                p.dims(),
+            ));
+        }
+        let device = parts[0].device();
+        let sum = parts[1..].iter().fold(parts[0].clone(), |acc, p| {
+            acc + p.clone().to_device(&device)
+        });
+        Ok(Self::to_every_rank(sum, &parts))
+    }
+
+    fn all_gather(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>> {
+        self.check("all_gather", &parts)?;
+        let rows = parts[0].dims()[0];
+        if let Some(p) = parts.iter().find(|p| p.dims()[0] != rows) {
+            return Err(SlideSparseError::shape(
+                "all_gather: a rank's rows",
+                rows,
+                p.dims()[0],
+            ));
+        }
+        let device = parts[0].device();
+        let whole = Tensor::cat(
+            parts.iter().map(|p| p.clone().to_device(&device)).collect(),
+            1,
+        );
+        Ok(Self::to_every_rank(whole, &parts))
+    }
+}
+
+/// The shards of one layer, one per rank, each on its rank's device.
+#[derive(Debug)]
+enum Shards<B: Backend> {
+    Sparse(Vec<SlideSparseLinear<B>>),
+    Dense(Vec<QuantizedLinear<B>>),
+}
+
+/// A linear layer split over tensor-parallel ranks: the shards of a packed layer
+/// ([`SlideSparseLinear`]) or of the dense baseline ([`QuantizedLinear`]), run each on its
+/// own device and combined with a [`Collective`].
+#[derive(Debug)]
+pub struct TensorParallelLinear<B: Backend> {
+    parallelism: Parallelism,
+    in_features: usize,
+    out_features: usize,
+    shards: Shards<B>,
+}
+
+impl<B: Backend> TensorParallelLinear<B> {
+    /// Splits a packed layer over `devices` (one rank per device, rank 0 first).
+    pub fn from_packed(
+        layer: &PackedLinear,
+        parallelism: Parallelism,
+        devices: &[B::Device],
+    ) -> Result<Self> {
+        let shards = shard_packed(layer, parallelism, devices.len())?
+            .into_iter()
+            .zip(devices)
+            .map(|(shard, device)| SlideSparseLinear::from_packed_owned(shard, device))
+            .collect();
+        Ok(Self {
+            parallelism,
+            in_features: layer.in_features,
+            out_features: layer.out_features(),
+            shards: Shards::Sparse(shards),
+        })
+    }
+
+    /// Splits a dense quantized `[out, K]` weight and its bias over `devices`.
+    pub fn from_quantized(
+        name: &str,
+        weight: &QuantizedWeight,
+        bias: Option<&[f32]>,
+        parallelism: Parallelism,
+        devices: &[B::Device],
+    ) -> Result<Self> {
+        let shards = shard_quantized(name, weight, bias, parallelism, devices.len())?
+            .into_iter()
+            .zip(devices)
+            .map(|(shard, device)| {
+                QuantizedLinear::from_quantized_owned(shard.weight, shard.bias.as_deref(), device)
+            })
+            .collect();
+        Ok(Self {
+            parallelism,
+            in_features: weight.cols,
+            out_features: weight.rows,
+            shards: Shards::Dense(shards),
+        })
+    }
+
+    /// How the layer is split.
+    pub fn parallelism(&self) -> Parallelism {
+        self.parallelism
+    }
+
+    /// Number of ranks.
+    pub fn ranks(&self) -> usize {
+        match &self.shards {
+            Shards::Sparse(s) => s.len(),
+            Shards::Dense(s) => s.len(),
+        }
+    }
+
+    /// Input width of the whole layer.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output width of the whole layer.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    fn device(&self, rank: usize) -> B::Device {
+        match &self.shards {
+            Shards::Sparse(s) => s[rank].weight.device().clone(),
+            Shards::Dense(s) => s[rank].weight.device().clone(),
+        }
+    }
+
+    /// Each rank's input from the whole `X [M, K]`: all of it (column-parallel) or its
+    /// slice of `K` (row-parallel), on the rank's device.
+    pub fn scatter_input(&self, x: Tensor<B, 2>) -> Vec<Tensor<B, 2>> {
+        (0..self.ranks())
+            .map(|rank| {
+                let range = input_range(self.parallelism, self.in_features, self.ranks(), rank);
+                x.clone()
+                    .narrow(1, range.start, range.len())
+                    .to_device(&self.device(rank))
+            })
+            .collect()
+    }
+}
+
+impl<B: SlideSparseBackend> TensorParallelLinear<B> {
+    /// Runs every rank's shard on its input (from [`scatter_input`](Self::scatter_input)),
+    /// without communication: column-parallel ranks' slices of the output, or row-parallel
+    /// ranks' partial sums (rank 0's with the bias).
+    pub fn forward_shards(&self, inputs: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>> {
+        if inputs.len() != self.ranks() {
+            return Err(SlideSparseError::shape(
+                "TensorParallelLinear inputs (one per rank)",
+                self.ranks(),
+                inputs.len(),
+            ));
+        }
+        match &self.shards {
+            Shards::Sparse(s) => s
+                .iter()
+                .zip(inputs)
+                .map(|(l, x)| l.try_forward(x))
+                .collect(),
+            Shards::Dense(s) => s
+                .iter()
+                .zip(inputs)
+                .map(|(l, x)| l.try_forward(x))
+                .collect(),
+        }
+    }
+
+    /// The whole output `[M, out]` on every rank: the shards' outputs gathered
+    /// (column-parallel) or summed (row-parallel) by `collective`.
+    pub fn forward_ranks(
+        &self,
+        x: Tensor<B, 2>,
+        collective: &impl Collective<B>,
+    ) -> Result<Vec<Tensor<B, 2>>> {
+        if collective.ranks() != self.ranks() {
+            return Err(SlideSparseError::shape(
+                "TensorParallelLinear: the collective's ranks",
+                self.ranks(),
+                collective.ranks(),
+            ));
+        }
+        let partial = self.forward_shards(self.scatter_input(x))?;
+        match self.parallelism {
+            Parallelism::Column => collective.all_gather(partial),
+            Parallelism::Row => collective.all_reduce_sum(partial),
+        }
+    }
+
+    /// Applies the whole layer to `[..., K]`, returning rank 0's `[..., out]`.
+    pub fn try_forward<const D: usize>(
+        &self,
+        input: Tensor<B, D>,
+        collective: &impl Collective<B>,
+    ) -> Result<Tensor<B, D>> {
+        on_rows(
+            input,
+            (self.in_features, self.out_features),
+            "TensorParallelLinear input (last dimension)",
+            |x| {
+                let mut outputs = self.forward_ranks(x, collective)?;
+                Ok(outputs.swap_remove(0))
+            },
+        )
+    }
+}
