@@ -32,6 +32,38 @@ macro_rules! internal_modules {
     )*};
 }
 
+/// A struct `$library` holding a library loaded at run time and its entry points, each
+/// looked up by its exact C name and given the signature written here (that of the
+/// library's C header), with `from_library(lib, path)` to build it (`nccl`, `cusparselt`).
+macro_rules! library_bindings {
+    ($library:ident { $($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)* }) => {
+        /// The loaded library and its entry points.
+        pub struct $library {
+            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
+            /// Where the library was found.
+            pub path: PathBuf,
+            _lib: Library,
+        }
+
+        impl $library {
+            fn from_library(lib: Library, path: PathBuf) -> std::result::Result<Self, String> {
+                // SAFETY: each symbol is looked up by its exact C name and given the
+                // signature its C header declares (written at the macro's call); the
+                // library outlives the pointers (`_lib`).
+                unsafe {
+                    Ok(Self {
+                        $($name: *lib
+                            .get(concat!(stringify!($name), "\0").as_bytes())
+                            .map_err(|e| format!("{}: {e}", stringify!($name)))?,)*
+                        path,
+                        _lib: lib,
+                    })
+                }
+            }
+        }
+    };
+}
+
 pub mod config;
 
 internal_modules!(

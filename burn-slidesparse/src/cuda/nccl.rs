@@ -51,46 +51,19 @@ pub mod op {
     pub const MAX: i32 = 2;
 }
 
-macro_rules! bindings {
-    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
-        /// The loaded library and its entry points.
-        pub struct Nccl {
-            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
-            /// Where the library was found.
-            pub path: PathBuf,
-            _lib: Library,
-        }
-
-        impl Nccl {
-            fn from_library(lib: Library, path: PathBuf) -> std::result::Result<Self, String> {
-                // SAFETY: each symbol is looked up by its exact C name and given the
-                // signature of `nccl.h` (2.18 and later); the library outlives the pointers
-                // (`_lib`).
-                unsafe {
-                    Ok(Self {
-                        $($name: *lib
-                            .get(concat!(stringify!($name), "\0").as_bytes())
-                            .map_err(|e| format!("{}: {e}", stringify!($name)))?,)*
-                        path,
-                        _lib: lib,
-                    })
-                }
-            }
-        }
-    };
-}
-
-bindings! {
-    ncclGetVersion: fn(*mut c_int) -> NcclResult;
-    ncclGetErrorString: fn(NcclResult) -> *const c_char;
-    ncclGetUniqueId: fn(*mut UniqueId) -> NcclResult;
-    ncclCommInitRank: fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult;
-    ncclCommInitAll: fn(*mut Comm, c_int, *const c_int) -> NcclResult;
-    ncclCommDestroy: fn(Comm) -> NcclResult;
-    ncclCommGetAsyncError: fn(Comm, *mut NcclResult) -> NcclResult;
-    ncclAllReduce: fn(*const c_void, *mut c_void, usize, i32, i32, Comm, Stream) -> NcclResult;
-    ncclGroupStart: fn() -> NcclResult;
-    ncclGroupEnd: fn() -> NcclResult;
+library_bindings! {
+    Nccl {
+        ncclGetVersion: fn(*mut c_int) -> NcclResult;
+        ncclGetErrorString: fn(NcclResult) -> *const c_char;
+        ncclGetUniqueId: fn(*mut UniqueId) -> NcclResult;
+        ncclCommInitRank: fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult;
+        ncclCommInitAll: fn(*mut Comm, c_int, *const c_int) -> NcclResult;
+        ncclCommDestroy: fn(Comm) -> NcclResult;
+        ncclCommGetAsyncError: fn(Comm, *mut NcclResult) -> NcclResult;
+        ncclAllReduce: fn(*const c_void, *mut c_void, usize, i32, i32, Comm, Stream) -> NcclResult;
+        ncclGroupStart: fn() -> NcclResult;
+        ncclGroupEnd: fn() -> NcclResult;
+    }
 }
 
 /// File name of the library on Linux (its soname; pip's wheel ships only this file).

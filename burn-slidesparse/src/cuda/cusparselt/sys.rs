@@ -65,56 +65,30 @@ pub const MATMUL_ALPHA_VECTOR_SCALING: i32 = 5;
 type H = *const Opaque;
 type M = *mut Opaque;
 
-macro_rules! bindings {
-    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
-        /// The loaded library and its entry points.
-        pub struct CusparseLt {
-            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
-            /// Where the library was found.
-            pub path: PathBuf,
-            _lib: Library,
-        }
-
-        impl CusparseLt {
-            fn from_library(lib: Library, path: PathBuf) -> std::result::Result<Self, String> {
-                // SAFETY: each symbol is looked up by its exact C name and given the
-                // signature of `cusparseLt.h`; the library outlives the pointers (`_lib`).
-                unsafe {
-                    Ok(Self {
-                        $($name: *lib
-                            .get(concat!(stringify!($name), "\0").as_bytes())
-                            .map_err(|e| format!("{}: {e}", stringify!($name)))?,)*
-                        path,
-                        _lib: lib,
-                    })
-                }
-            }
-        }
-    };
-}
-
-bindings! {
-    cusparseLtInit: fn(M) -> Status;
-    cusparseLtDestroy: fn(H) -> Status;
-    cusparseLtGetVersion: fn(H, *mut c_int) -> Status;
-    cusparseLtGetErrorString: fn(Status) -> *const c_char;
-    cusparseLtDenseDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32) -> Status;
-    cusparseLtStructuredDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32, i32) -> Status;
-    cusparseLtMatDescriptorDestroy: fn(H) -> Status;
-    cusparseLtMatmulDescriptorInit: fn(H, M, i32, i32, H, H, H, H, i32) -> Status;
-    cusparseLtMatmulDescSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;
-    cusparseLtMatmulAlgSelectionInit: fn(H, M, H, i32) -> Status;
-    cusparseLtMatmulAlgSelectionDestroy: fn(H) -> Status;
-    cusparseLtMatmulAlgSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;
-    cusparseLtMatmulAlgGetAttribute: fn(H, H, i32, *mut c_void, usize) -> Status;
-    cusparseLtMatmulPlanInit: fn(H, M, H, H) -> Status;
-    cusparseLtMatmulPlanDestroy: fn(H) -> Status;
-    cusparseLtMatmulGetWorkspace: fn(H, H, *mut usize) -> Status;
-    cusparseLtMatmul: fn(H, H, *const c_void, *const c_void, *const c_void, *const c_void, *const c_void, *mut c_void, *mut c_void, *mut Stream, i32) -> Status;
-    cusparseLtMatmulSearch: fn(H, M, *const c_void, *const c_void, *const c_void, *const c_void, *const c_void, *mut c_void, *mut c_void, *mut Stream, i32) -> Status;
-    cusparseLtSpMMAPruneCheck2: fn(H, H, c_int, i32, *const c_void, *mut c_int, Stream) -> Status;
-    cusparseLtSpMMACompressedSize2: fn(H, H, *mut usize, *mut usize) -> Status;
-    cusparseLtSpMMACompress2: fn(H, H, c_int, i32, *const c_void, *mut c_void, *mut c_void, Stream) -> Status;
+library_bindings! {
+    CusparseLt {
+        cusparseLtInit: fn(M) -> Status;
+        cusparseLtDestroy: fn(H) -> Status;
+        cusparseLtGetVersion: fn(H, *mut c_int) -> Status;
+        cusparseLtGetErrorString: fn(Status) -> *const c_char;
+        cusparseLtDenseDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32) -> Status;
+        cusparseLtStructuredDescriptorInit: fn(H, M, i64, i64, i64, u32, i32, i32, i32) -> Status;
+        cusparseLtMatDescriptorDestroy: fn(H) -> Status;
+        cusparseLtMatmulDescriptorInit: fn(H, M, i32, i32, H, H, H, H, i32) -> Status;
+        cusparseLtMatmulDescSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;
+        cusparseLtMatmulAlgSelectionInit: fn(H, M, H, i32) -> Status;
+        cusparseLtMatmulAlgSelectionDestroy: fn(H) -> Status;
+        cusparseLtMatmulAlgSetAttribute: fn(H, M, i32, *const c_void, usize) -> Status;
+        cusparseLtMatmulAlgGetAttribute: fn(H, H, i32, *mut c_void, usize) -> Status;
+        cusparseLtMatmulPlanInit: fn(H, M, H, H) -> Status;
+        cusparseLtMatmulPlanDestroy: fn(H) -> Status;
+        cusparseLtMatmulGetWorkspace: fn(H, H, *mut usize) -> Status;
+        cusparseLtMatmul: fn(H, H, *const c_void, *const c_void, *const c_void, *const c_void, *const c_void, *mut c_void, *mut c_void, *mut Stream, i32) -> Status;
+        cusparseLtMatmulSearch: fn(H, M, *const c_void, *const c_void, *const c_void, *const c_void, *const c_void, *mut c_void, *mut c_void, *mut Stream, i32) -> Status;
+        cusparseLtSpMMAPruneCheck2: fn(H, H, c_int, i32, *const c_void, *mut c_int, Stream) -> Status;
+        cusparseLtSpMMACompressedSize2: fn(H, H, *mut usize, *mut usize) -> Status;
+        cusparseLtSpMMACompress2: fn(H, H, c_int, i32, *const c_void, *mut c_void, *mut c_void, Stream) -> Status;
+    }
 }
 
 /// File name of the library on Linux.
