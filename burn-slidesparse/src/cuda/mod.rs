@@ -60,6 +60,35 @@ macro_rules! library_bindings {
                     })
                 }
             }
+
+            /// The first of `paths` that opens and exports every entry point, or a line per
+            /// path tried. A path that does not exist is skipped silently unless it is
+            /// `named` (the file an environment variable named: `(path, variable)`).
+            fn open_first(
+                paths: impl IntoIterator<Item = PathBuf>,
+                named: Option<(&std::path::Path, &str)>,
+            ) -> std::result::Result<Self, Vec<String>> {
+                let mut tried = Vec::new();
+                for path in paths {
+                    if path.components().count() > 1 && !path.exists() {
+                        if let Some((file, variable)) = named.filter(|(f, _)| *f == path) {
+                            tried.push(format!("{} ({variable}: no such file)", file.display()));
+                        }
+                        continue;
+                    }
+                    // SAFETY: loading a shared library runs its initializers; the vendor
+                    // libraries loaded here have no preconditions.
+                    match unsafe { Library::new(&path) } {
+                        Ok(lib) => match Self::from_library(lib, path.clone()) {
+                            Ok(loaded) => return Ok(loaded),
+                            Err(missing) => tried
+                                .push(format!("{} (missing symbol {missing})", path.display())),
+                        },
+                        Err(e) => tried.push(format!("{} ({e})", path.display())),
+                    }
+                }
+                Err(tried)
+            }
         }
     };
 }

@@ -85,29 +85,11 @@ impl Nccl {
     /// Loads the first library that opens and exports every entry point, or
     /// [`SlideSparseError::LibraryUnavailable`] naming every place searched.
     pub fn load(config: &Config) -> Result<Self> {
-        let mut tried = Vec::new();
-        for path in candidate_paths(config) {
-            let explicit = config.nccl.as_deref() == Some(path.as_path());
-            if path.components().count() > 1 && !path.exists() {
-                // A pip folder that does not exist is not worth a line; a file the user
-                // named is.
-                if explicit {
-                    tried.push(format!("{} (SLIDESPARSE_NCCL: no such file)", path.display()));
-                }
-                continue;
-            }
-            // SAFETY: loading a shared library runs its initializers; NCCL's are the
-            // vendor's and have no preconditions.
-            match unsafe { Library::new(&path) } {
-                Ok(lib) => match Self::from_library(lib, path.clone()) {
-                    Ok(loaded) => return Ok(loaded),
-                    Err(missing) => {
-                        tried.push(format!("{} (missing symbol {missing})", path.display()))
-                    }
-                },
-                Err(e) => tried.push(format!("{} ({e})", path.display())),
-            }
-        }
+        let named = config.nccl.as_deref().map(|f| (f, "SLIDESPARSE_NCCL"));
+        let tried = match Self::open_first(candidate_paths(config), named) {
+            Ok(loaded) => return Ok(loaded),
+            Err(tried) => tried,
+        };
         Err(SlideSparseError::LibraryUnavailable {
             library: "NCCL",
             detail: format!(

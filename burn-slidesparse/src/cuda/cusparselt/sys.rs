@@ -106,23 +106,10 @@ pub fn candidate_paths(config: &Config) -> Vec<PathBuf> {
 impl CusparseLt {
     /// Loads the first library that opens and exports every entry point.
     pub fn load(config: &Config) -> Result<Self> {
-        let mut tried = Vec::new();
-        for path in candidate_paths(config) {
-            if path.components().count() > 1 && !path.exists() {
-                continue;
-            }
-            // SAFETY: loading a shared library runs its initializers; cuSPARSELt's are the
-            // vendor's and have no preconditions.
-            match unsafe { Library::new(&path) } {
-                Ok(lib) => match Self::from_library(lib, path.clone()) {
-                    Ok(loaded) => return Ok(loaded),
-                    Err(missing) => {
-                        tried.push(format!("{} (missing symbol {missing})", path.display()))
-                    }
-                },
-                Err(e) => tried.push(format!("{} ({e})", path.display())),
-            }
-        }
+        let tried = match Self::open_first(candidate_paths(config), None) {
+            Ok(loaded) => return Ok(loaded),
+            Err(tried) => tried,
+        };
         Err(SlideSparseError::LibraryUnavailable {
             library: "cuSPARSELt",
             detail: format!(
