@@ -159,6 +159,7 @@ fn queue<B: FusionBackend + SlideSparseBackend>(
 /// A custom operation that does nothing but pass its input through (`out = x`, sharing the
 /// buffer): what registering and executing any custom operation costs fusion, for the
 /// benchmark that compares it with a forward's extra cost on fusion.
+#[cfg(feature = "internals")]
 #[derive(Debug)]
 struct IdentityOp<B> {
     x: TensorIr,
@@ -166,6 +167,7 @@ struct IdentityOp<B> {
     backend: std::marker::PhantomData<fn() -> B>,
 }
 
+#[cfg(feature = "internals")]
 impl<B: FusionBackend> Operation<B::FusionRuntime> for IdentityOp<B> {
     fn execute(&self, handles: &mut HandleContainer<B::Handle>) {
         let x = handles.get_float_tensor::<B>(&self.x);
@@ -174,6 +176,7 @@ impl<B: FusionBackend> Operation<B::FusionRuntime> for IdentityOp<B> {
 }
 
 /// Queues an identity custom operation on `x` (see `IdentityOp`). Not an API: benchmarks.
+#[cfg(feature = "internals")]
 #[doc(hidden)]
 pub fn identity_custom_op<B: FusionBackend>(x: Tensor<Fusion<B>, 2>) -> Tensor<Fusion<B>, 2> {
     let x = x.into_primitive().tensor();
