@@ -44,7 +44,12 @@ use crate::{
 
 type Server = <Runtime as cubecl::Runtime>::Server;
 
-const SOURCE: &str = include_str!("kernels.cu");
+mod block;
+
+pub use block::{rms_norm, rope_attention, silu_mul};
+
+/// The attention kernels, then the block's other steps (which use their helpers).
+const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("block.cu"));
 
 /// Query and key rows per tile of both kernels.
 const TILE: usize = 64;
@@ -90,11 +95,21 @@ struct Variant {
     reduce: sys::CUfunction,
 }
 
+/// The block's other kernels of one dtype (`block.cu`).
+#[derive(Clone, Copy)]
+struct BlockFunctions {
+    rms_norm: sys::CUfunction,
+    silu_mul: sys::CUfunction,
+    rope_cache: sys::CUfunction,
+}
+
 /// The attention module of one device.
 struct DeviceKernels {
     _module: sys::CUmodule,
     /// By (bf16, head dim).
     variants: HashMap<(bool, usize), Variant>,
+    /// By bf16.
+    block: HashMap<bool, BlockFunctions>,
     /// Streaming multiprocessors: how many CTAs the decode split aims at.
     sm_count: usize,
     context: Context,
@@ -227,12 +242,22 @@ impl DeviceKernels {
                 variants.insert((bf16, d), variant);
             }
         }
+        let mut block = HashMap::new();
+        for (bf16, name) in [(true, "bf16"), (false, "f16")] {
+            let functions = BlockFunctions {
+                rms_norm: function(format!("rms_norm_{name}"), 0)?,
+                silu_mul: function(format!("silu_mul_{name}"), 0)?,
+                rope_cache: function(format!("rope_cache_{name}"), 0)?,
+            };
+            block.insert(bf16, functions);
+        }
         // Attach to the device's runner only once it is cubecl-cuda's own (the caller's
         // tensors come from it).
         let device = CudaDevice { index };
         Ok(Self {
             _module: module,
             variants,
+            block,
             sm_count,
             context,
             device: DeviceHandle::new(device.to_id()),
@@ -347,13 +372,32 @@ pub fn prepare_device(index: usize) -> Result<()> {
     device_kernels(index).map(|_| ())
 }
 
-/// How the decode kernel splits the cache: `(splits, keys per split)`, aiming at about four
-/// waves of its two resident CTAs per SM over the batch and KV heads, each split whole 64-key
-/// tiles.
+/// Waves of decode CTAs (two resident per SM) the split aims at: more waves balance the tail
+/// of long caches, fewer give each CTA more tiles to pipeline against its fixed cost.
+static DECODE_WAVES: AtomicUsize = AtomicUsize::new(4);
+
+/// Chooses how many waves of CTAs the decode split aims at, 1 to 8 (benchmarks compare them).
+pub fn set_decode_waves(waves: usize) -> Result<()> {
+    if !(1..=8).contains(&waves) {
+        return Err(SlideSparseError::Unsupported {
+            what: "flash attention decode split".into(),
+            why: format!("{waves} waves (1 to 8)"),
+        });
+    }
+    DECODE_WAVES.store(waves, AtomicOrdering::Relaxed);
+    Ok(())
+}
+
+/// How the decode kernel splits the cache: `(splits, keys per split)`, aiming at
+/// `DECODE_WAVES` waves of its two resident CTAs per SM over the batch and KV heads, each
+/// split whole 64-key tiles.
 fn decode_split(shape: &AttentionShape, sm_count: usize) -> (usize, usize) {
     let tiles = shape.kv_len.div_ceil(TILE);
     let pairs = shape.batch * shape.hkv;
-    let wanted = (4 * 2 * sm_count).div_ceil(pairs).clamp(1, tiles.min(MAX_SPLITS));
+    let waves = DECODE_WAVES.load(AtomicOrdering::Relaxed);
+    let wanted = (waves * 2 * sm_count)
+        .div_ceil(pairs)
+        .clamp(1, tiles.min(MAX_SPLITS));
     let tiles_per_split = tiles.div_ceil(wanted);
     let splits = tiles.div_ceil(tiles_per_split);
     (splits, tiles_per_split * TILE)
@@ -470,10 +514,7 @@ pub fn causal_attention(
         partial_bytes: (params.splits as usize * rows * shape.d * 4) as u64,
         out_len: rows * shape.d,
     };
-    match ordering(&client, index)? {
-        Ordering::Stream(stream) => queue(&kernels, stream, params, launches, buffers),
-        Ordering::Host(stream, _) => run_host_ordered(&client, &kernels, stream, params, &launches, buffers)?,
-    }
+    submit(&client, &kernels, index, params, launches, buffers)?;
     Ok(CubeTensor::new_contiguous(
         client,
         q.device.clone(),
@@ -494,7 +535,26 @@ struct Launch {
 // SAFETY: a function handle of a module that lives for the process.
 unsafe impl Send for Launch {}
 
-/// The handles a call reads and writes, held until its launches are enqueued.
+/// What a queued call reads and writes: it holds the handles until the launches are
+/// enqueued, puts their pointers into the kernels' parameter block, and NaN-fills its
+/// outputs when a launch fails.
+trait Call: Send + 'static {
+    /// The parameter block the kernels take by value (`repr(C)`, as in the `.cu` files).
+    type Params: Copy + Send + 'static;
+
+    /// Sets the parameters' pointers from `ptr`.
+    fn resolve(
+        &self,
+        params: &mut Self::Params,
+        ptr: &mut dyn FnMut(&Handle) -> Result<u64>,
+    ) -> Result<()>;
+
+    /// `(pointer, 16-bit elements)` of each output resolved in `params` (NaN-filled when a
+    /// launch fails).
+    fn outputs(&self, params: &Self::Params) -> Vec<(u64, usize)>;
+}
+
+/// The handles an attention call reads and writes, held until its launches are enqueued.
 struct Buffers {
     q: Handle,
     k: Handle,
@@ -507,9 +567,14 @@ struct Buffers {
     out_len: usize,
 }
 
-impl Buffers {
-    /// Sets the parameters' pointers from `ptr`.
-    fn resolve(&self, params: &mut Params, mut ptr: impl FnMut(&Handle) -> Result<u64>) -> Result<()> {
+impl Call for Buffers {
+    type Params = Params;
+
+    fn resolve(
+        &self,
+        params: &mut Params,
+        ptr: &mut dyn FnMut(&Handle) -> Result<u64>,
+    ) -> Result<()> {
         params.q = ptr(&self.q)?;
         params.k = ptr(&self.k)?;
         params.v = ptr(&self.v)?;
@@ -520,44 +585,70 @@ impl Buffers {
         }
         Ok(())
     }
+
+    fn outputs(&self, params: &Params) -> Vec<(u64, usize)> {
+        vec![(params.o, self.out_len)]
+    }
 }
 
 /// Enqueues `launches` with `params` on `stream`.
 ///
 /// # Safety
 /// `stream` is a live stream of the current context; the pointers in `params` are live
-/// device memory of the sizes the shape implies.
-unsafe fn enqueue(stream: sys::CUstream, params: &Params, launches: &[Launch]) -> Result<()> {
+/// device memory of the sizes the launches' kernels read and write.
+unsafe fn enqueue<P: Copy>(stream: sys::CUstream, params: &P, launches: &[Launch]) -> Result<()> {
     for l in launches {
         let mut p = *params;
-        let mut args = [&mut p as *mut Params as *mut c_void];
-        // SAFETY: the kernels take one `Params` by value; the caller's contract for the rest.
+        let mut args = [&mut p as *mut P as *mut c_void];
+        // SAFETY: the kernels take one parameter block by value; the caller's contract for
+        // the rest.
         unsafe {
             cu::launch_kernel(l.function, l.grid, (l.block, 1, 1), l.smem, stream, &mut args)
         }
-        .map_err(driver_err("cuLaunchKernel (attention)"))?;
+        .map_err(driver_err("cuLaunchKernel (attention module)"))?;
     }
     Ok(())
 }
 
+/// Runs `call`'s launches in burn's stream order: queued on cubecl's device thread (CUPTI
+/// found burn's stream), or host-ordered.
+fn submit<C: Call>(
+    client: &Client,
+    kernels: &DeviceKernels,
+    index: usize,
+    params: C::Params,
+    launches: Vec<Launch>,
+    call: C,
+) -> Result<()> {
+    match ordering(client, index)? {
+        Ordering::Stream(stream) => {
+            queue(kernels, stream, params, launches, call);
+            Ok(())
+        }
+        Ordering::Host(stream, _) => {
+            run_host_ordered(client, kernels, stream, params, &launches, call)
+        }
+    }
+}
+
 /// Queues the launches on cubecl's device thread, behind every kernel queued so far, on
-/// burn's stream; a failure NaN-fills the output and is kept for the next call.
-fn queue(
+/// burn's stream; a failure NaN-fills the outputs and is kept for the next call.
+fn queue<C: Call>(
     kernels: &DeviceKernels,
     stream: usize,
-    params: Params,
+    params: C::Params,
     launches: Vec<Launch>,
-    buffers: Buffers,
+    call: C,
 ) {
     let stream_id = StreamId::current();
     kernels.device.submit(move |server: &mut Server| {
         let mut params = params;
-        let resolved = buffers.resolve(&mut params, |h| {
+        let resolved = call.resolve(&mut params, &mut |h| {
             server
                 .get_resource(h.clone().binding(), stream_id)
                 .map(|r| r.resource().ptr)
                 .map_err(|e| SlideSparseError::Cubecl {
-                    what: "get_resource (attention)",
+                    what: "get_resource (attention module)",
                     detail: format!("{e:?}"),
                 })
         });
@@ -566,36 +657,38 @@ fn queue(
         // is current; the pointers were just resolved from the handles this task holds.
         let launched = resolved.and_then(|()| unsafe { enqueue(stream, &params, &launches) });
         if let Err(error) = launched {
-            if params.o != 0 {
-                // SAFETY: the output holds `out_len` 16-bit elements; a failure here leaves
-                // the error recorded below.
-                let _ = unsafe { sys::cuMemsetD16Async(params.o, 0x7FFF, buffers.out_len, stream) };
+            for (ptr, len) in call.outputs(&params) {
+                if ptr != 0 {
+                    // SAFETY: an output of `len` 16-bit elements resolved above; a failure
+                    // here leaves the error recorded below.
+                    let _ = unsafe { sys::cuMemsetD16Async(ptr, 0x7FFF, len, stream) };
+                }
             }
             FAILURE
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get_or_insert(error);
         }
-        drop(buffers);
+        drop(call);
     });
 }
 
 /// The host-ordered fallback: burn's stream drained, the launches on our stream, waited for.
-fn run_host_ordered(
+fn run_host_ordered<C: Call>(
     client: &Client,
     kernels: &DeviceKernels,
     stream: usize,
-    params: Params,
+    params: C::Params,
     launches: &[Launch],
-    buffers: Buffers,
+    call: C,
 ) -> Result<()> {
     let mut params = params;
-    buffers.resolve(&mut params, |h| device_ptr(client, h))?;
+    call.resolve(&mut params, &mut |h| device_ptr(client, h))?;
     sync_burn_stream(client)?;
     kernels.context.make_current()?;
     let stream = stream as sys::CUstream;
     // SAFETY: our stream, created in this context; pointers resolved from live handles that
-    // `buffers` holds until the stream is synchronized.
+    // `call` holds until the stream is synchronized.
     unsafe {
         enqueue(stream, &params, launches)?;
         synchronize(stream)
