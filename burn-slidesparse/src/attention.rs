@@ -174,171 +174,52 @@ pub fn causal_attention_reference<B: Backend>(
 
 #[cfg(feature = "cuda")]
 mod native {
-    //! The CUDA kernels for burn-cuda's tensors, chosen at run time from the backend's
-    //! tensor type (a checked downcast, as in `cube.rs`): `CubeTensor<CudaRuntime>` (any
-    //! `CubeBackend<CudaRuntime, ..>`) runs them at once; `FusionTensor` over it queues a
-    //! custom fusion operation that runs them in stream order.
+    //! The CUDA kernels for burn-cuda's tensors (plain or fused: `native_ops`).
 
-    use std::{any::Any, sync::Mutex};
+    use burn::tensor::{DType, Shape, Tensor, TensorPrimitive, backend::Backend};
 
-    use burn::tensor::{
-        Shape, Tensor, TensorPrimitive,
-        backend::{Backend, BackendTypes},
-    };
-    use burn_cubecl::{CubeBackend, fusion::FusionCubeRuntime, tensor::CubeTensor};
-    use burn_fusion::{
-        FusionTensor,
-        stream::{Operation, OperationStreams},
-    };
-    use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+    use super::{AttentionOptions, shape_of};
+    use crate::{cuda::attention, error::Result, native_ops::run};
 
-    use super::{AttentionOptions, AttentionShape};
-    use crate::{
-        cuda::{attention, runtime::Runtime},
-        error::{Result, SlideSparseError},
-    };
-
-    type Cuda = CubeBackend<Runtime, f32, i32, u8>;
-    type FusedCuda = FusionTensor<FusionCubeRuntime<Runtime>>;
-
-    fn cast<A: 'static, T: 'static>(value: A) -> std::result::Result<T, A> {
-        let boxed = Box::new(value) as Box<dyn Any>;
-        match boxed.downcast::<T>() {
-            Ok(t) => Ok(*t),
-            Err(b) => Err(*b.downcast::<A>().expect("the value's own type")),
-        }
-    }
-
-    fn primitive<B: Backend>(t: &Tensor<B, 4>) -> <B as BackendTypes>::FloatTensorPrimitive {
-        t.clone().into_primitive().tensor()
-    }
-
-    /// The kernels' result if `B`'s tensors are CUDA's (plain or fused), `None` otherwise.
+    /// The kernels' result if `B`'s tensors are CUDA's (plain or fused) and the kernels have a
+    /// variant for these dtypes and head dim, `None` otherwise (the reference path runs).
     pub fn try_cuda<B: Backend>(
         q: &Tensor<B, 4>,
         k: &Tensor<B, 4>,
         v: &Tensor<B, 4>,
         options: AttentionOptions,
     ) -> Option<Result<Tensor<B, 4>>> {
-        if !kernels_cover(q, k, v) {
-            return None;
-        }
-        let qp = primitive(q);
-        let qp = match cast::<_, CubeTensor<Runtime>>(qp) {
-            Ok(qc) => {
-                let (kc, vc) = (cast(primitive(k)).ok()?, cast(primitive(v)).ok()?);
-                let out = attention::causal_attention(qc, kc, vc, options.kv_len, options.scale);
-                return Some(out.map(wrap));
-            }
-            Err(qp) => qp,
-        };
-        let qf = cast::<_, FusedCuda>(qp).ok()?;
-        let (kf, vf) = (cast(primitive(k)).ok()?, cast(primitive(v)).ok()?);
-        Some(queue_fused(qf, kf, vf, options).map(wrap))
-    }
-
-    /// Whether the kernels have a variant for these dtypes and head dim (the reference path
-    /// runs the rest).
-    fn kernels_cover<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>) -> bool {
-        use burn::tensor::DType;
         let same_16_bit = matches!(
             (q.dtype(), k.dtype(), v.dtype()),
             (DType::BF16, DType::BF16, DType::BF16) | (DType::F16, DType::F16, DType::F16)
         );
-        same_16_bit && matches!(q.dims()[3], 64 | 128)
-    }
-
-    fn wrap<B: Backend, T: 'static>(t: T) -> Tensor<B, 4> {
-        let p = cast::<T, <B as BackendTypes>::FloatTensorPrimitive>(t)
-            .unwrap_or_else(|_| unreachable!("the same type the input was cast from"));
-        Tensor::from_primitive(TensorPrimitive::Float(p))
-    }
-
-    /// The first error of a fused execution not yet reported.
-    static DEFERRED: Mutex<Option<SlideSparseError>> = Mutex::new(None);
-
-    /// The custom fusion operation: `out = attention(q, k, v)` on the inner CUDA tensors.
-    #[derive(Debug)]
-    struct AttentionOp {
-        q: TensorIr,
-        k: TensorIr,
-        v: TensorIr,
-        out: TensorIr,
-        options: AttentionOptions,
-    }
-
-    impl Operation<FusionCubeRuntime<Runtime>> for AttentionOp {
-        fn execute(
-            &self,
-            handles: &mut HandleContainer<
-                <FusionCubeRuntime<Runtime> as burn_fusion::FusionRuntime>::FusionHandle,
-            >,
-        ) {
-            let q = handles.get_float_tensor::<Cuda>(&self.q);
-            let k = handles.get_float_tensor::<Cuda>(&self.k);
-            let v = handles.get_float_tensor::<Cuda>(&self.v);
-            let device = q.device.clone();
-            let (kv_len, scale) = (self.options.kv_len, self.options.scale);
-            let out = match attention::causal_attention(q, k, v, kv_len, scale) {
-                Ok(out) => out,
-                Err(error) => {
-                    DEFERRED
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get_or_insert(error);
-                    let shape: [usize; 4] = self.out.shape.as_slice().try_into().expect("rank 4");
-                    Tensor::<Cuda, 4>::full(shape, f32::NAN, &device)
-                        .cast(self.out.dtype)
-                        .into_primitive()
-                        .tensor()
-                }
-            };
-            handles.register_float_tensor::<Cuda>(&self.out.id, out);
+        if !same_16_bit || !matches!(q.dims()[3], 64 | 128) {
+            return None;
         }
-    }
-
-    /// Checks the call, compiles the kernels if needed (so that the execution has nothing
-    /// left to fail on but the launch), and queues the operation.
-    fn queue_fused(
-        q: FusedCuda,
-        k: FusedCuda,
-        v: FusedCuda,
-        options: AttentionOptions,
-    ) -> Result<FusedCuda> {
-        if let Some(error) = DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            return Err(SlideSparseError::Deferred(Box::new(error)));
-        }
-        let dims = |t: &FusedCuda| -> Result<[usize; 4]> {
-            t.shape.as_slice().try_into().map_err(|_| {
-                SlideSparseError::shape("attention tensor rank", 4, t.shape.num_dims())
-            })
+        // Checked here, so that a fused execution has nothing left to fail on but the launch.
+        let s = match shape_of(q, k, v, options) {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
         };
-        let s = AttentionShape::new(dims(&q)?, dims(&k)?, dims(&v)?, options.kv_len)?;
-        attention::check_supported(&s, [q.dtype, k.dtype, v.dtype])?;
-        attention::prepare_device(q.client.device().index)?;
-        let streams = OperationStreams::with_inputs([&q, &k, &v]);
-        let client = q.client.clone();
-        let dtype = q.dtype;
-        let (q, k, v) = (q.into_ir(), k.into_ir(), v.into_ir());
-        let out = TensorIr::uninit(
-            client.create_empty_handle(),
-            Shape::new([s.batch, s.tq, s.hq, s.d]),
-            dtype,
-        );
-        let ir = CustomOpIr::new(
+        if let Err(e) = attention::check_supported(&s, [q.dtype(), k.dtype(), v.dtype()]) {
+            return Some(Err(e));
+        }
+        let float = |t: &Tensor<B, 4>| t.clone().into_primitive().tensor();
+        let out = Shape::new([s.batch, s.tq, s.hq, s.d]);
+        let (kv_len, scale) = (options.kv_len, options.scale);
+        let outs = run::<B>(
             "slidesparse_causal_attention",
-            &[q.clone(), k.clone(), v.clone()],
-            std::slice::from_ref(&out),
-        );
-        let op = AttentionOp {
-            q,
-            k,
-            v,
-            out,
-            options,
-        };
-        Ok(client
-            .register(streams, OperationIr::Custom(ir), op)
-            .output())
+            vec![float(q), float(k), float(v)],
+            vec![out],
+            q.dtype(),
+            move |mut t| {
+                let (v, k, q) = (t.pop(), t.pop(), t.pop());
+                let (q, k, v) = (q.expect("q"), k.expect("k"), v.expect("v"));
+                Ok(vec![attention::causal_attention(q, k, v, kv_len, scale)?])
+            },
+        )?;
+        Some(outs.map(|mut o| {
+            Tensor::from_primitive(TensorPrimitive::Float(o.pop().expect("one output")))
+        }))
     }
 }

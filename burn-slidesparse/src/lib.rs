@@ -9,6 +9,7 @@
 mod attention;
 mod autodiff;
 mod backend;
+mod block_ops;
 mod checkpoint;
 mod codes;
 #[cfg(feature = "cubecl")]
@@ -22,6 +23,8 @@ mod fuse;
 mod fusion;
 mod masked;
 mod module;
+#[cfg(feature = "cuda")]
+mod native_ops;
 mod pack;
 mod pattern;
 mod prune;
@@ -45,6 +48,7 @@ pub use attention::{
 };
 pub use autodiff::AutodiffPrepared;
 pub use backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend};
+pub use block_ops::{RopeAttention, add_rms_norm, rms_norm, rope_attention, silu_mul};
 pub use checkpoint::{
     DEFAULT_EXCLUDE, DEFAULT_LAYER_FILTER, LayerSelection, PackProgress, PackReport, VerifyReport,
     pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,

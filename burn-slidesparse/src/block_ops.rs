@@ -1,0 +1,294 @@
+//! The steps of a transformer block around its linears, each one operation where burn's own
+//! modules queue a chain of them: RMSNorm (optionally after the residual add), the SiLU-gated
+//! product of a fused gate/up projection, and RoPE + KV-cache write + causal attention.
+//!
+//! Why: at decode sizes a model's step is bound by the host's cost of queuing operations, not
+//! by the GPU (burn-fusion costs ~10 us per operation; a Llama block queues ~50 with burn's
+//! `RmsNorm`, `RotaryEncoding`, `slice_assign` and `silu`, and ~10 with these).
+//!
+//! On burn-cuda (`CubeBackend<CudaRuntime, ..>` and `Fusion` over it, chosen at run time from
+//! the tensors' type, as [`causal_attention`] does) bf16 and f16 tensors run this crate's
+//! kernels (`cuda/attention/block.cu`) in f32 with one rounding per output; everything else
+//! runs the reference: burn's own modules (`RmsNorm::forward`, `silu`, `RotaryEncoding`'s
+//! table, `slice_assign`), which is also the tests' oracle.
+
+use burn::{
+    nn::{RmsNorm, RotaryEncoding},
+    tensor::{Tensor, activation::silu, backend::Backend},
+};
+
+use crate::{
+    attention::{AttentionOptions, causal_attention},
+    error::{Result, SlideSparseError},
+};
+
+/// `norm(x)` (burn's `RmsNorm` over the last dimension), as one operation on burn-cuda.
+pub fn rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    norm: &RmsNorm<B>,
+) -> Result<Tensor<B, D>> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = native::rms_norm(&x, None, norm) {
+        return out.map(|(_, normed)| normed);
+    }
+    Ok(norm.forward(x))
+}
+
+/// `(x + delta, norm(x + delta))`: the residual add and the next RMSNorm of a pre-norm block,
+/// as one operation on burn-cuda (the sum rounded to the dtype, as a model keeps its residual
+/// stream, before the norm reads it).
+pub fn add_rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    delta: Tensor<B, D>,
+    norm: &RmsNorm<B>,
+) -> Result<(Tensor<B, D>, Tensor<B, D>)> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = native::rms_norm(&x, Some(&delta), norm) {
+        return out.map(|(sum, normed)| (sum.expect("the sum of an add"), normed));
+    }
+    let sum = x + delta;
+    Ok((sum.clone(), norm.forward(sum)))
+}
+
+/// `silu(gate) * up` for `gate_up [.., 2 f]` = `[gate | up]` (the output of a fused gate/up
+/// projection): `[.., f]`, as one operation on burn-cuda.
+pub fn silu_mul<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Result<Tensor<B, D>> {
+    let dims = gate_up.dims();
+    let full = dims[D - 1];
+    if full % 2 != 0 {
+        return Err(SlideSparseError::shape(
+            "SiLU-gated product input (an even last dimension: gate then up)",
+            "an even width",
+            full,
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(out) = native::silu_mul(&gate_up) {
+        return out;
+    }
+    let f = full / 2;
+    let gate = gate_up.clone().narrow(D - 1, 0, f);
+    let up = gate_up.narrow(D - 1, f, f);
+    Ok(silu(gate) * up)
+}
+
+/// Where [`rope_attention`] reads its heads and writes its keys and values.
+#[derive(Debug)]
+pub struct RopeAttention<'a, B: Backend> {
+    /// burn's rotary encoding (its `freq_complex` table, adjacent pairs), applied to q and k
+    /// at positions `start..start + t` (its `start_offset` must be 0).
+    pub rope: &'a RotaryEncoding<B>,
+    /// The first position of this call's tokens: the cache holds `0..start` already.
+    pub start: usize,
+    /// Query heads and key/value heads (grouped-query attention when they differ).
+    pub heads: (usize, usize),
+    /// Softmax scale (`None`: `1/sqrt(head dim)`).
+    pub scale: Option<f32>,
+}
+
+/// One attention step of a block on the output of a fused qkv projection: RoPE on the q and k
+/// heads of `qkv [batch, t, (hq + 2 hkv) d]` (heads q, then k, then v, each `d` wide), k and v
+/// written into `keys` and `values` (`[batch, capacity, hkv, d]`) at positions
+/// `start..start + t`, then causal attention of q over positions `0..start + t` of the
+/// cache: `[batch, t, hq d]`.
+///
+/// The cache is written **in place** on burn-cuda (every clone of `keys` / `values` sees the
+/// new positions; keep none), with `slice_assign` elsewhere. On burn-cuda with bf16/f16
+/// tensors, head dim 64 or 128 and contiguous caches this is one operation (RoPE and the
+/// cache write in one kernel, then the flash-attention kernels); otherwise burn's operations
+/// and [`causal_attention`].
+pub fn rope_attention<B: Backend>(
+    qkv: Tensor<B, 3>,
+    keys: &mut Tensor<B, 4>,
+    values: &mut Tensor<B, 4>,
+    step: RopeAttention<'_, B>,
+) -> Result<Tensor<B, 3>> {
+    let [batch, t, width] = qkv.dims();
+    let (hq, hkv) = step.heads;
+    let heads = hq + 2 * hkv;
+    if hkv == 0 || hq % hkv != 0 || width % heads != 0 || (width / heads) % 2 != 0 {
+        return Err(SlideSparseError::shape(
+            "qkv width ((hq + 2 hkv) x an even head dim, hkv dividing hq)",
+            format!("({hq} + 2 x {hkv}) x d"),
+            width,
+        ));
+    }
+    let d = width / heads;
+    let [max_len, table_d, _] = step.rope.freq_complex.dims();
+    let end = step.start + t;
+    let [cb, capacity, ch, cd] = keys.dims();
+    if table_d != d
+        || end > max_len
+        || [cb, ch, cd] != [batch, hkv, d]
+        || values.dims() != keys.dims()
+        || end > capacity
+    {
+        return Err(SlideSparseError::shape(
+            "RoPE table [max_len >= start + t, d, 2] and caches [batch, capacity >= start + t, hkv, d]",
+            format!("table [>= {end}, {d}, 2], caches [{batch}, >= {end}, {hkv}, {d}]"),
+            format!(
+                "table {:?}, caches {:?} / {:?}",
+                step.rope.freq_complex.dims(),
+                keys.dims(),
+                values.dims()
+            ),
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(out) = native::rope_attention(&qkv, keys, values, &step) {
+        return out;
+    }
+    let q = qkv.clone().narrow(2, 0, hq * d).reshape([batch, t, hq, d]);
+    let k = qkv
+        .clone()
+        .narrow(2, hq * d, hkv * d)
+        .reshape([batch, t, hkv, d]);
+    let v = qkv
+        .narrow(2, (hq + hkv) * d, hkv * d)
+        .reshape([batch, t, hkv, d]);
+    let table = step.rope.freq_complex.clone().narrow(0, step.start, t);
+    let (q, k) = (rotate(q, &table), rotate(k, &table));
+    let ranges = [0..batch, step.start..end, 0..hkv, 0..d];
+    keys.inplace(|c| c.slice_assign(ranges.clone(), k));
+    values.inplace(|c| c.slice_assign(ranges, v));
+    let options = AttentionOptions {
+        kv_len: Some(end),
+        scale: step.scale,
+    };
+    Ok(causal_attention(q, keys.clone(), values.clone(), options)?.reshape([batch, t, hq * d]))
+}
+
+/// burn's `RotaryEncoding::apply` of `x [batch, t, heads, d]` with `table [t, d, (cos, sin)]`
+/// (the same products and sums, without its per-pair matmul): `out[2i] = a cos - b sin`,
+/// `out[2i+1] = a sin + b cos` for the pair `(a, b) = (x[2i], x[2i+1])`.
+fn rotate<B: Backend>(x: Tensor<B, 4>, table: &Tensor<B, 3>) -> Tensor<B, 4> {
+    let [b, t, h, d] = x.dims();
+    let cos = table.clone().narrow(2, 0, 1).reshape([1, t, 1, d]);
+    let sin = table.clone().narrow(2, 1, 1).reshape([1, t, 1, d]);
+    // (a, b) -> (-b, a): the pair swapped with the sign of the rotation folded in.
+    let pairs = x.clone().reshape([b, t, h, d / 2, 2]);
+    let first = pairs.clone().narrow(4, 0, 1);
+    let second = pairs.narrow(4, 1, 1);
+    let turned = Tensor::cat(vec![second.neg(), first], 4).reshape([b, t, h, d]);
+    x * cos + turned * sin
+}
+
+#[cfg(feature = "cuda")]
+mod native {
+    //! burn-cuda's tensors (plain or fused, a checked downcast from the backend's tensor
+    //! type) to the kernels of `cuda::attention`; `None` for every other backend or for
+    //! what the kernels do not cover, so the caller runs the reference.
+
+    use burn::{
+        nn::RmsNorm,
+        tensor::{DType, Tensor, TensorPrimitive, backend::Backend},
+    };
+
+    use super::RopeAttention;
+    use crate::{
+        cuda::attention as kernels,
+        error::Result,
+        native_ops::{NativeTensors, run},
+    };
+
+    fn sixteen_bit(dtypes: &[DType]) -> bool {
+        dtypes.iter().all(|d| *d == DType::BF16) || dtypes.iter().all(|d| *d == DType::F16)
+    }
+
+    fn float<B: Backend, const D: usize>(t: &Tensor<B, D>) -> B::FloatTensorPrimitive {
+        match t.clone().into_primitive() {
+            TensorPrimitive::Float(p) => p,
+            TensorPrimitive::QFloat(_) => unreachable!("quantized tensors are refused before"),
+        }
+    }
+
+    pub fn rms_norm<B: Backend, const D: usize>(
+        x: &Tensor<B, D>,
+        delta: Option<&Tensor<B, D>>,
+        norm: &RmsNorm<B>,
+    ) -> Option<Result<(Option<Tensor<B, D>>, Tensor<B, D>)>> {
+        let gamma = norm.gamma.val();
+        let mut dtypes = vec![x.dtype(), gamma.dtype()];
+        dtypes.extend(delta.map(|d| d.dtype()));
+        if !sixteen_bit(&dtypes) {
+            return None;
+        }
+        let mut inputs = vec![float(x), float(&gamma)];
+        inputs.extend(delta.map(float));
+        let shape = x.shape();
+        let outputs = vec![shape; if delta.is_some() { 2 } else { 1 }];
+        let eps = norm.epsilon;
+        let out = run::<B>(
+            "slidesparse_rms_norm",
+            inputs,
+            outputs,
+            x.dtype(),
+            move |mut t: NativeTensors| {
+                let delta = (t.len() == 3).then(|| t.pop().expect("three inputs"));
+                let gamma = t.pop().expect("gamma");
+                let x = t.pop().expect("x");
+                let (sum, normed) = kernels::rms_norm(x, delta, gamma, eps)?;
+                Ok([Some(normed), sum].into_iter().flatten().collect())
+            },
+        )?;
+        Some(out.map(|mut outs| {
+            let sum = (outs.len() == 2).then(|| wrap(outs.pop().expect("two outputs")));
+            (sum, wrap(outs.pop().expect("one output")))
+        }))
+    }
+
+    pub fn silu_mul<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<Result<Tensor<B, D>>> {
+        if !sixteen_bit(&[x.dtype()]) {
+            return None;
+        }
+        let mut shape = x.shape();
+        shape[D - 1] /= 2;
+        let out = run::<B>(
+            "slidesparse_silu_mul",
+            vec![float(x)],
+            vec![shape],
+            x.dtype(),
+            |mut t| Ok(vec![kernels::silu_mul(t.pop().expect("one input"))?]),
+        )?;
+        Some(out.map(|mut outs| wrap(outs.pop().expect("one output"))))
+    }
+
+    pub fn rope_attention<B: Backend>(
+        qkv: &Tensor<B, 3>,
+        keys: &Tensor<B, 4>,
+        values: &Tensor<B, 4>,
+        step: &RopeAttention<'_, B>,
+    ) -> Option<Result<Tensor<B, 3>>> {
+        let table = &step.rope.freq_complex;
+        let dtypes = [qkv.dtype(), table.dtype(), keys.dtype(), values.dtype()];
+        let [batch, t, _] = qkv.dims();
+        let (hq, _) = step.heads;
+        let d = keys.dims()[3];
+        if !sixteen_bit(&dtypes) || !matches!(d, 64 | 128) {
+            return None;
+        }
+        let inputs = vec![float(qkv), float(table), float(keys), float(values)];
+        let out_shape = burn::tensor::Shape::new([batch, t, hq * d]);
+        let (start, heads, scale) = (step.start, step.heads, step.scale);
+        let out = run::<B>(
+            "slidesparse_rope_attention",
+            inputs,
+            vec![out_shape],
+            qkv.dtype(),
+            move |mut t| {
+                let values = t.pop().expect("four inputs");
+                let keys = t.pop().expect("four inputs");
+                let table = t.pop().expect("four inputs");
+                let qkv = t.pop().expect("four inputs");
+                Ok(vec![kernels::rope_attention(
+                    qkv, table, keys, values, start, heads, scale,
+                )?])
+            },
+        )?;
+        Some(out.map(|mut outs| wrap(outs.pop().expect("one output"))))
+    }
+
+    fn wrap<B: Backend, const D: usize>(p: B::FloatTensorPrimitive) -> Tensor<B, D> {
+        Tensor::from_primitive(TensorPrimitive::Float(p))
+    }
+}

@@ -1,0 +1,160 @@
+//! The block steps of `block_ops` on the CPU (their reference path, the GPU kernels' oracle):
+//! RoPE + cache write + attention against burn's own `RotaryEncoding::apply`, `slice_assign`
+//! and the reference attention; a prompt in one call against the same prompt as a prefix
+//! then decode steps; and the typed errors, which leave the cache unchanged.
+
+use burn::{
+    backend::NdArray,
+    nn::{RmsNormConfig, RotaryEncoding, RotaryEncodingConfig},
+    tensor::{Distribution, Tensor},
+};
+use burn_slidesparse::{
+    AttentionOptions, RopeAttention, SlideSparseError, add_rms_norm, causal_attention_reference,
+    rope_attention, silu_mul,
+};
+
+type Cpu = NdArray;
+
+const HQ: usize = 4;
+const HKV: usize = 2;
+const D: usize = 16;
+
+fn rope() -> RotaryEncoding<Cpu> {
+    RotaryEncodingConfig::new(64, D)
+        .with_theta(500.0)
+        .init(&Default::default())
+}
+
+fn random<const N: usize>(shape: [usize; N]) -> Tensor<Cpu, N> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+}
+
+fn max_diff<const N: usize>(a: Tensor<Cpu, N>, b: Tensor<Cpu, N>) -> f32 {
+    (a - b).abs().max().into_scalar()
+}
+
+fn step(rope: &RotaryEncoding<Cpu>, start: usize) -> RopeAttention<'_, Cpu> {
+    RopeAttention {
+        rope,
+        start,
+        heads: (HQ, HKV),
+        scale: None,
+    }
+}
+
+/// burn's modules, written out: q and k rotated by `RotaryEncoding::apply` (on `[batch,
+/// heads, t, d]`, its layout), k and v assigned into the cache, the reference attention.
+fn composed(
+    qkv: Tensor<Cpu, 3>,
+    cache: (Tensor<Cpu, 4>, Tensor<Cpu, 4>),
+    rope: &RotaryEncoding<Cpu>,
+    start: usize,
+) -> (Tensor<Cpu, 3>, Tensor<Cpu, 4>, Tensor<Cpu, 4>) {
+    let [b, t, _] = qkv.dims();
+    let heads =
+        |from: usize, n: usize| qkv.clone().narrow(2, from * D, n * D).reshape([b, t, n, D]);
+    let rotate = |x: Tensor<Cpu, 4>| rope.apply(x.swap_dims(1, 2), start).swap_dims(1, 2);
+    let (q, k, v) = (
+        rotate(heads(0, HQ)),
+        rotate(heads(HQ, HKV)),
+        heads(HQ + HKV, HKV),
+    );
+    let keys = cache.0.slice_assign([0..b, start..start + t], k);
+    let values = cache.1.slice_assign([0..b, start..start + t], v);
+    let options = AttentionOptions {
+        kv_len: Some(start + t),
+        scale: None,
+    };
+    let out = causal_attention_reference(q, keys.clone(), values.clone(), options).unwrap();
+    (out.reshape([b, t, HQ * D]), keys, values)
+}
+
+#[test]
+fn rope_attention_is_burns_rotary_encoding_cache_write_and_attention() {
+    let rope = rope();
+    let (b, cap) = (2, 20);
+    for (start, t) in [(0, 7), (5, 3), (9, 1)] {
+        // A cache whose first `start` positions hold earlier keys, the rest zeros.
+        let zeros = Tensor::<Cpu, 4>::zeros([b, cap, HKV, D], &Default::default());
+        let filled = |z: Tensor<Cpu, 4>| match start {
+            0 => z,
+            _ => z.slice_assign([0..b, 0..start], random([b, start, HKV, D])),
+        };
+        let (mut keys, mut values) = (filled(zeros.clone()), filled(zeros));
+        let qkv = random([b, t, (HQ + 2 * HKV) * D]);
+        let (want, want_k, want_v) =
+            composed(qkv.clone(), (keys.clone(), values.clone()), &rope, start);
+        let got = rope_attention(qkv, &mut keys, &mut values, step(&rope, start)).unwrap();
+        assert!(max_diff(got, want) < 1e-5, "output, start {start}");
+        assert!(max_diff(keys, want_k) < 1e-5, "keys, start {start}");
+        assert!(max_diff(values, want_v) == 0.0, "values, start {start}");
+    }
+}
+
+#[test]
+fn a_prompt_at_once_equals_a_prefix_then_decode_steps() {
+    let rope = rope();
+    let (b, t, cap) = (2, 9, 16);
+    let qkv = random([b, t, (HQ + 2 * HKV) * D]);
+    let cache = || Tensor::<Cpu, 4>::zeros([b, cap, HKV, D], &Default::default());
+    let (mut k1, mut v1) = (cache(), cache());
+    let whole = rope_attention(qkv.clone(), &mut k1, &mut v1, step(&rope, 0)).unwrap();
+    let (mut k2, mut v2) = (cache(), cache());
+    let mut parts = vec![
+        rope_attention(
+            qkv.clone().narrow(1, 0, 5),
+            &mut k2,
+            &mut v2,
+            step(&rope, 0),
+        )
+        .unwrap(),
+    ];
+    for pos in 5..t {
+        let one = qkv.clone().narrow(1, pos, 1);
+        parts.push(rope_attention(one, &mut k2, &mut v2, step(&rope, pos)).unwrap());
+    }
+    assert!(max_diff(whole, Tensor::cat(parts, 1)) < 1e-5);
+    assert!(max_diff(k1, k2) == 0.0 && max_diff(v1, v2) == 0.0);
+}
+
+#[test]
+fn misfit_calls_are_refused_and_leave_the_cache_unchanged() {
+    let rope = rope();
+    let b = 1;
+    let zeros = || Tensor::<Cpu, 4>::zeros([b, 8, HKV, D], &Default::default());
+    let (mut keys, mut values) = (zeros(), zeros());
+    let width = (HQ + 2 * HKV) * D;
+    let cases: [(Tensor<Cpu, 3>, usize); 3] = [
+        (random([b, 2, width + D]), 0), // a head too many
+        (random([b, 4, width]), 6),     // past the cache's capacity
+        (random([b, 1, width]), 64),    // past the RoPE table
+    ];
+    for (qkv, start) in cases {
+        let err = rope_attention(qkv, &mut keys, &mut values, step(&rope, start)).unwrap_err();
+        assert!(
+            matches!(err, SlideSparseError::ShapeMismatch { .. }),
+            "{err}"
+        );
+    }
+    assert_eq!(max_diff(keys, zeros()), 0.0);
+    assert_eq!(max_diff(values, zeros()), 0.0);
+}
+
+#[test]
+fn gated_product_and_norm_follow_burns_modules() {
+    let x = random([3, 5, 8]);
+    let got = silu_mul(x.clone()).unwrap();
+    let want =
+        burn::tensor::activation::silu(x.clone().narrow(2, 0, 4)) * x.clone().narrow(2, 4, 4);
+    assert_eq!(max_diff(got, want), 0.0);
+    let err = silu_mul(random([2, 7])).unwrap_err();
+    assert!(
+        matches!(err, SlideSparseError::ShapeMismatch { .. }),
+        "{err}"
+    );
+    let norm = RmsNormConfig::new(8).init::<Cpu>(&Default::default());
+    let delta = random([3, 5, 8]);
+    let (sum, normed) = add_rms_norm(x.clone(), delta.clone(), &norm).unwrap();
+    assert_eq!(max_diff(sum, x.clone() + delta.clone()), 0.0);
+    assert_eq!(max_diff(normed, norm.forward(x + delta)), 0.0);
+}
