@@ -13,8 +13,8 @@ use burn::{
     tensor::{Int, Tensor, TensorCreationOptions, activation, backend::Backend},
 };
 use burn_slidesparse::{
-    AttentionOptions, MaybeSparseLinear, SlideSparseBackend, VisitLinears, causal_attention,
-    concat_outputs,
+    MaybeSparseLinear, RopeAttention, SlideSparseBackend, VisitLinears, add_rms_norm,
+    concat_outputs, rms_norm, rope_attention, silu_mul,
 };
 
 /// Model hyper-parameters.
@@ -253,95 +253,43 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
-/// Where one block writes its keys and values: its cache slot, or none (no cache: the
-/// attention reads the new keys alone).
+/// Where one block writes its keys and values: its cache slot, grown to hold positions
+/// `start..start + t` when it does not.
 struct CacheSlot<'a, B: Backend> {
-    slot: Option<&'a mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    slot: &'a mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
     start: usize,
     capacity: usize,
 }
 
 impl<B: Backend> CacheSlot<'_, B> {
-    /// Writes `k`, `v` `[batch, t, kv_heads, hd]` at positions `start..start + t` and
-    /// returns the tensors the attention reads (the whole cache, or `k`, `v` themselves).
-    fn write(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let Some(slot) = self.slot.as_mut() else {
-            return (k, v);
-        };
-        let [batch, t, kv_heads, hd] = k.dims();
-        let (start, end) = (self.start, self.start + t);
-        let grow = |old: Option<Tensor<B, 4>>, like: &Tensor<B, 4>| {
+    /// The cache tensors `[batch, capacity, kv_heads, hd]`, with room for `t` more
+    /// positions (a grown cache keeps the first `start` positions), in `like`'s dtype.
+    fn reserve(
+        &mut self,
+        [batch, t, kv_heads, hd]: [usize; 4],
+        like: &Tensor<B, 3>,
+    ) -> (&mut Tensor<B, 4>, &mut Tensor<B, 4>) {
+        let start = self.start;
+        let fits = matches!(&*self.slot, Some((k, _)) if k.dims()[1] >= start + t);
+        if !fits {
             let options = TensorCreationOptions::default()
                 .with_device(like.device())
                 .with_dtype(like.dtype());
-            let fresh = Tensor::zeros([batch, self.capacity, kv_heads, hd], options);
-            match old {
-                Some(old) if start > 0 => {
-                    fresh.slice_assign([0..batch, 0..start], old.slice([0..batch, 0..start]))
+            let grow = |old: Option<Tensor<B, 4>>| {
+                let fresh = Tensor::zeros([batch, self.capacity, kv_heads, hd], options.clone());
+                match old {
+                    Some(old) if start > 0 => {
+                        fresh.slice_assign([0..batch, 0..start], old.slice([0..batch, 0..start]))
+                    }
+                    _ => fresh,
                 }
-                _ => fresh,
-            }
-        };
-        let (ck, cv) = match slot.take() {
-            Some((ck, cv)) if ck.dims()[1] >= end => {
-                assert_eq!(ck.dims()[0], batch, "KvCache: the batch size changed");
-                (ck, cv)
-            }
-            old => {
-                let (ok, ov) = old.unzip();
-                (grow(ok, &k), grow(ov, &v))
-            }
-        };
-        // The cache tensors are owned here alone, so slice_assign writes them in place.
-        let ck = ck.slice_assign([0..batch, start..end], k);
-        let cv = cv.slice_assign([0..batch, start..end], v);
-        **slot = Some((ck.clone(), cv.clone()));
-        (ck, cv)
-    }
-}
-
-/// RoPE on adjacent pairs for positions `start..start + t`, as `cos [1, t, 1, hd]` and
-/// `sin [1, t, 1, hd]` with the pair's sign folded in (`-sin` on even, `+sin` on odd
-/// indices), from burn's `RotaryEncoding` table `[max_len, hd, (cos, sin)]`: then
-/// `rope(x) = x * cos + swap_pairs(x) * sin` for `x [batch, t, heads, hd]`, the same values
-/// as `RotaryEncoding::apply` without its per-pair matmul.
-struct RopeTables<B: Backend> {
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-}
-
-impl<B: Backend> RopeTables<B> {
-    fn new(rope: &RotaryEncoding<B>, start: usize, t: usize) -> Self {
-        let [max_len, hd, _] = rope.freq_complex.dims();
-        assert!(
-            start + t <= max_len,
-            "positions up to {} exceed the model's max_seq_len {max_len}",
-            start + t
-        );
-        let table = rope
-            .freq_complex
-            .clone()
-            .slice([start..start + t, 0..hd, 0..2]);
-        let cos = table
-            .clone()
-            .slice([0..t, 0..hd, 0..1])
-            .reshape([1, t, 1, hd]);
-        let sign = Tensor::<B, 1>::from_floats([-1.0, 1.0], &table.device())
-            .cast(table.dtype())
-            .repeat_dim(0, hd / 2)
-            .reshape([1, 1, 1, hd]);
-        let sin = table.slice([0..t, 0..hd, 1..2]).reshape([1, t, 1, hd]) * sign;
-        Self { cos, sin }
-    }
-
-    fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, t, h, hd] = x.dims();
-        let swapped = x
-            .clone()
-            .reshape([b, t, h, hd / 2, 2])
-            .flip([4])
-            .reshape([b, t, h, hd]);
-        x * self.cos.clone() + swapped * self.sin.clone()
+            };
+            let (k, v) = self.slot.take().unzip();
+            *self.slot = Some((grow(k), grow(v)));
+        }
+        let (k, v) = self.slot.as_mut().expect("reserved above");
+        assert_eq!(k.dims()[0], batch, "KvCache: the batch size changed");
+        (k, v)
     }
 }
 
@@ -364,7 +312,8 @@ impl<B: SlideSparseBackend> Llama<B> {
             .reshape([batch, width]);
         // A 2-D input: the head is one plain matmul (a `[batch, 1, width]` input took a
         // batched path 10x slower on burn-cuda at batch 64).
-        self.lm_head.forward(self.norm.forward(last))
+        self.lm_head
+            .forward(rms_norm(last, &self.norm).unwrap_or_else(|e| panic!("norm: {e}")))
     }
 
     /// [`forward`](Self::forward), showing `observer` the input of every block linear.
@@ -375,7 +324,8 @@ impl<B: SlideSparseBackend> Llama<B> {
         observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
         let hidden = self.hidden_states(tokens, cache, observer);
-        self.lm_head.forward(self.norm.forward(hidden))
+        self.lm_head
+            .forward(rms_norm(hidden, &self.norm).unwrap_or_else(|e| panic!("norm: {e}")))
     }
 
     /// Block `index` alone on hidden states `x [batch, t, hidden]` at positions `0..t`, no
@@ -388,13 +338,22 @@ impl<B: SlideSparseBackend> Llama<B> {
         observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
         let t = x.dims()[1];
+        let mut local = None;
         let mut cache = CacheSlot {
-            slot: None,
+            slot: &mut local,
             start: 0,
             capacity: t,
         };
-        let rope = RopeTables::new(&self.rope, 0, t);
-        self.blocks[index].forward(x, &mut cache, &rope, (self.heads, self.kv_heads), observer)
+        let (h, delta) =
+            self.blocks[index].forward((x, None), &mut cache, self.attention_of(), observer);
+        h + delta
+    }
+
+    fn attention_of(&self) -> BlockAttention<'_, B> {
+        BlockAttention {
+            rope: &self.rope,
+            heads: (self.heads, self.kv_heads),
+        }
     }
 
     /// Fuses every block's projections ([`Block::fuse_projections`]): fewer, larger GEMMs
@@ -419,21 +378,25 @@ impl<B: SlideSparseBackend> Llama<B> {
         if start + t > cache.capacity {
             cache.capacity = (start + t).max(2 * cache.capacity);
         }
-        let rope = RopeTables::new(&self.rope, start, t);
-        let mut x = self.embed.forward(tokens);
+        // Each block's last output is added by the next block's first norm (one operation).
+        let mut stream = (self.embed.forward(tokens), None);
         let capacity = cache.capacity;
         for (i, (block, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
             let mut seen =
                 |layer: &str, input: &Tensor<B, 3>| observer(&format!("layers.{i}.{layer}"), input);
             let mut slot = CacheSlot {
-                slot: Some(slot),
+                slot,
                 start,
                 capacity,
             };
-            x = block.forward(x, &mut slot, &rope, (self.heads, self.kv_heads), &mut seen);
+            let (x, delta) = block.forward(stream, &mut slot, self.attention_of(), &mut seen);
+            stream = (x, Some(delta));
         }
         cache.len = start + t;
-        x
+        match stream {
+            (x, Some(delta)) => x + delta,
+            (x, None) => x,
+        }
     }
 
     /// Per block linear, the L2 norm of each input channel over the calibration tokens:
@@ -471,72 +434,64 @@ impl<B: SlideSparseBackend> Llama<B> {
     }
 }
 
-/// `[.., width]` into pieces of `widths` along the last dimension (views, no copy).
-fn split_last<B: Backend>(y: Tensor<B, 3>, widths: &[usize]) -> Vec<Tensor<B, 3>> {
-    let [b, t, _] = y.dims();
-    let mut at = 0;
-    widths
-        .iter()
-        .map(|&w| {
-            at += w;
-            y.clone().slice([0..b, 0..t, at - w..at])
-        })
-        .collect()
+/// What a block's attention needs of the model: the rotary table and the head counts.
+#[derive(Clone, Copy)]
+struct BlockAttention<'a, B: Backend> {
+    rope: &'a RotaryEncoding<B>,
+    /// Query heads, key/value heads.
+    heads: (usize, usize),
+}
+
+/// A library call of the block's hot path; its errors are programming errors of the model
+/// (shapes) or a device failure, reported with the step's name.
+fn step<T>(name: &str, result: burn_slidesparse::Result<T>) -> T {
+    result.unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 impl<B: SlideSparseBackend> Block<B> {
+    /// The block on the residual stream `x` plus the previous block's output `delta` (added
+    /// in the first norm's operation): `(x + delta + attention, mlp output)`, the second for
+    /// the next block (or the caller) to add.
     fn forward(
         &self,
-        x: Tensor<B, 3>,
+        (x, delta): (Tensor<B, 3>, Option<Tensor<B, 3>>),
         cache: &mut CacheSlot<'_, B>,
-        rope: &RopeTables<B>,
-        heads: (usize, usize),
+        attention: BlockAttention<'_, B>,
         observer: Observer<'_, B>,
-    ) -> Tensor<B, 3> {
-        let a = self.attn_norm.forward(x.clone());
-        let h = x + self.attention(a, cache, rope, heads, observer);
-        let m = self.mlp_norm.forward(h.clone());
-        let (gate, up) = match &self.mlp_in {
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (x, a) = match delta {
+            Some(delta) => step("norm", add_rms_norm(x, delta, &self.attn_norm)),
+            None => (x.clone(), step("norm", rms_norm(x, &self.attn_norm))),
+        };
+        let attended = self.attention(a, cache, attention, observer);
+        let (h, m) = step("norm", add_rms_norm(x, attended, &self.mlp_norm));
+        let inner = match &self.mlp_in {
             Projections::Fused(gate_up) => {
                 observer("gate_up_proj", &m);
-                let y = gate_up.forward(m);
-                let ff = y.dims()[2] / 2;
-                let [gate, up] = split_last(y, &[ff, ff]).try_into().expect("two pieces");
-                (gate, up)
+                step("SiLU-gated product", silu_mul(gate_up.forward(m)))
             }
             Projections::Separate(layers) => {
                 observer("gate_proj", &m);
                 observer("up_proj", &m);
-                (layers[0].forward(m.clone()), layers[1].forward(m))
+                activation::silu(layers[0].forward(m.clone())) * layers[1].forward(m)
             }
         };
-        let inner = activation::silu(gate) * up;
         observer("down_proj", &inner);
-        h + self.down.forward(inner)
+        (h, self.down.forward(inner))
     }
 
-    /// `[q | k]` and `v` of `x`, from the fused layer (two views of its output) or the three
-    /// layers.
-    fn qk_v(
-        &self,
-        x: Tensor<B, 3>,
-        (qk_width, v_width): (usize, usize),
-        observer: Observer<'_, B>,
-    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    /// `[q | k | v]` of `x`: the fused layer's output, or the three layers' side by side.
+    fn qkv(&self, x: Tensor<B, 3>, observer: Observer<'_, B>) -> Tensor<B, 3> {
         match &self.attn_in {
             Projections::Fused(qkv) => {
                 observer("qkv_proj", &x);
-                let [qk, v] = split_last(qkv.forward(x), &[qk_width, v_width])
-                    .try_into()
-                    .expect("two pieces");
-                (qk, v)
+                qkv.forward(x)
             }
             Projections::Separate(layers) => {
                 for name in ["q_proj", "k_proj", "v_proj"] {
                     observer(name, &x);
                 }
-                let [q, k, v] = [0, 1, 2].map(|i| layers[i].forward(x.clone()));
-                (Tensor::cat(vec![q, k], 2), v)
+                Tensor::cat(layers.iter().map(|l| l.forward(x.clone())).collect(), 2)
             }
         }
     }
@@ -545,29 +500,24 @@ impl<B: SlideSparseBackend> Block<B> {
         &self,
         x: Tensor<B, 3>,
         cache: &mut CacheSlot<'_, B>,
-        rope: &RopeTables<B>,
-        (heads, kv_heads): (usize, usize),
+        attention: BlockAttention<'_, B>,
         observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
         let [batch, t, _] = x.dims();
-        let hd = rope.cos.dims()[3];
-        let (qk, v) = self.qk_v(x, ((heads + kv_heads) * hd, kv_heads * hd), observer);
-        // `[batch, t, heads, hd]`: the layout the attention kernels and the cache use. q and k
-        // get RoPE in one pass (fewer operations per block: decode is bound by their host
-        // cost).
-        let qk = rope.apply(qk.reshape([batch, t, heads + kv_heads, hd]));
-        let q = qk.clone().slice([0..batch, 0..t, 0..heads, 0..hd]);
-        let k = qk.slice([0..batch, 0..t, heads..heads + kv_heads, 0..hd]);
-        let v = v.reshape([batch, t, kv_heads, hd]);
-        let kv_len = cache.start + t;
-        let (k, v) = cache.write(k, v);
-        let options = AttentionOptions {
-            kv_len: Some(kv_len),
+        let (heads, kv_heads) = attention.heads;
+        let qkv = self.qkv(x, observer);
+        let hd = qkv.dims()[2] / (heads + 2 * kv_heads);
+        // RoPE on q and k, the cache write and the attention: one operation on burn-cuda
+        // (decode is bound by the host's cost per operation).
+        let start = cache.start;
+        let (keys, values) = cache.reserve([batch, t, kv_heads, hd], &qkv);
+        let options = RopeAttention {
+            rope: attention.rope,
+            start,
+            heads: attention.heads,
             scale: None,
         };
-        let out = causal_attention(q, k, v, options)
-            .unwrap_or_else(|e| panic!("attention: {e}"))
-            .reshape([batch, t, heads * hd]);
+        let out = step("attention", rope_attention(qkv, keys, values, options));
         observer("o_proj", &out);
         self.o.forward(out)
     }
@@ -584,30 +534,5 @@ impl<B: Backend> VisitLinears<B> for Llama<B> {
             }
         }
         f("lm_head", &mut self.lm_head)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use burn::{backend::NdArray, nn::RotaryEncodingConfig, tensor::Distribution};
-
-    use super::*;
-
-    /// The table-based RoPE on `[batch, t, heads, hd]` equals burn's `RotaryEncoding::apply`
-    /// on `[batch, heads, t, hd]`, at an offset.
-    #[test]
-    fn rope_tables_match_burns_rotary_encoding() {
-        let device = Default::default();
-        let rope = RotaryEncodingConfig::new(32, 16)
-            .with_theta(500.0)
-            .init::<NdArray>(&device);
-        let x =
-            Tensor::<NdArray, 4>::random([2, 5, 3, 16], Distribution::Normal(0.0, 1.0), &device);
-        for start in [0, 7] {
-            let ours = RopeTables::new(&rope, start, 5).apply(x.clone());
-            let burns = rope.apply(x.clone().swap_dims(1, 2), start).swap_dims(1, 2);
-            let err = (ours - burns).abs().max().into_scalar();
-            assert!(err < 1e-5, "start {start}: max |diff| {err}");
-        }
     }
 }
