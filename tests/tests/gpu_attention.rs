@@ -17,7 +17,7 @@ use burn::{
 use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
     AttentionOptions, causal_attention, causal_attention_reference,
-    cuda::attention::set_prefill_rows,
+    cuda::attention::{set_decode_waves, set_prefill_rows},
 };
 use cubecl::cuda::CudaRuntime;
 use rand::Rng;
@@ -224,7 +224,12 @@ fn decode_matches_the_reference_over_long_caches() {
             magnitude: 1.0,
             dtype,
         };
-        check_plain(case, 200 + i);
+        // Every split the waves give (each a different split count and length).
+        for waves in [1, 4, 8] {
+            set_decode_waves(waves).unwrap();
+            check_plain(case, 200 + i);
+        }
+        set_decode_waves(1).unwrap();
     }
 }
 

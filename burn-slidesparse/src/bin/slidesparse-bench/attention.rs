@@ -9,7 +9,8 @@ use burn::tensor::{
     Distribution, ElementConversion, Tensor, module::attention, ops::AttentionModuleOptions,
 };
 use burn_slidesparse::{
-    AttentionOptions, AttentionShape, causal_attention, cuda::attention::set_prefill_rows,
+    AttentionOptions, AttentionShape, causal_attention,
+    cuda::attention::{set_decode_waves, set_prefill_rows},
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 
@@ -21,7 +22,7 @@ use super::{
 /// (batch, queries, cached positions, compare with burn): prefill is queries == positions.
 /// burn's op is timed where the issue has figures or the decode targets are (its autotune
 /// costs seconds per new shape on the GPU host).
-const CASES: [(usize, usize, usize, bool); 8] = [
+const CASES: [(usize, usize, usize, bool); 10] = [
     (1, 1024, 1024, true),
     (1, 4096, 4096, true),
     (1, 16384, 16384, false),
@@ -30,6 +31,8 @@ const CASES: [(usize, usize, usize, bool); 8] = [
     (64, 1, 4096, true),
     (16, 1, 4096, false),
     (1, 1, 32768, false),
+    (1, 1, 1024, false),
+    (16, 1, 1024, false),
 ];
 const HQ: usize = 32;
 const HKV: usize = 8;
@@ -98,11 +101,13 @@ pub fn attention_bench(args: &Args) {
         } else {
             args.reps
         };
-        // Prefill: both query tiles of the kernel; decode has one kernel.
-        let tiles: &[usize] = if tq > 16 { &[64, 128] } else { &[0] };
+        // Prefill: both query tiles of the kernel; decode: the split aimed at 4 or 1 waves.
+        let tiles: &[usize] = if tq > 16 { &[64, 128] } else { &[4, 1] };
         for &tile in tiles {
-            if tile > 0 {
+            if tq > 16 {
                 set_prefill_rows(tile).expect("tile");
+            } else {
+                set_decode_waves(tile).expect("waves");
             }
             let wall = back_to_back_ms::<Gpu>(&device, reps, |_| {
                 let _ = ours(&q, &k, &v);
@@ -112,10 +117,10 @@ pub fn attention_bench(args: &Args) {
             });
             let tflops = shape.causal_flops() / (dev / 1e3) / 1e12;
             let tbs = shape.kv_bytes(2) / (dev / 1e3) / 1e12;
-            let tile = if tile > 0 {
+            let tile = if tq > 16 {
                 tile.to_string()
             } else {
-                "decode".into()
+                format!("decode, {tile} wave(s)")
             };
             println!(
                 "| {batch} | {tq} | {kv} | {tile} | {wall:.4} | {dev:.4} | {tflops:.0} | {tbs:.2} |"
@@ -123,6 +128,7 @@ pub fn attention_bench(args: &Args) {
         }
     }
     set_prefill_rows(64).expect("tile");
+    set_decode_waves(1).expect("waves");
     println!();
     println!(
         "burn 0.21 `module::attention` (K, V expanded to {HQ} heads; causal for prefill), same inputs, wall ms back to back"

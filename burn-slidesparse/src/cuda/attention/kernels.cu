@@ -416,21 +416,21 @@ __device__ __forceinline__ void decode(const Params& p) {
     cp_wait<0>();
     __syncthreads();
 
-    // Merge the 4 warps in the K/V stages, free now.
+    // Merge the 4 warps in the K/V stages, free now: each warp writes its weighted rows
+    // (only the `rows` in use) to a region of its own, then every output sums four values.
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     float* sm_m = (float*)(smem + 16 * D * 2);  // [4][16]
     float* sm_l = sm_m + 64;                    // [4][16]
-    float* sm_o = sm_l + 64;                    // [16][D]
+    float* sm_o = sm_l + 64;                    // [4][16][D]
     if ((lane & 3) == 0) {
         sm_m[warp * 16 + g] = m0;
         sm_m[warp * 16 + g + 8] = m1;
         sm_l[warp * 16 + g] = l0;
         sm_l[warp * 16 + g + 8] = l1;
     }
-    for (int i = threadIdx.x; i < 16 * D; i += THREADS) sm_o[i] = 0.f;
     __syncthreads();
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
@@ -440,12 +440,20 @@ __device__ __forceinline__ void decode(const Params& p) {
     }
     const float w0 = m0 == NEG_INF ? 0.f : ex2(m0 - mx0), w1 = m1 == NEG_INF ? 0.f : ex2(m1 - mx1);
     const int col = 2 * (lane & 3);
+    float* mine = sm_o + warp * 16 * D;
+    if (g < rows) {
 #pragma unroll
-    for (int d = 0; d < D / 8; ++d) {
-        atomicAdd(&sm_o[g * D + d * 8 + col], o[d][0] * w0);
-        atomicAdd(&sm_o[g * D + d * 8 + col + 1], o[d][1] * w0);
-        atomicAdd(&sm_o[(g + 8) * D + d * 8 + col], o[d][2] * w1);
-        atomicAdd(&sm_o[(g + 8) * D + d * 8 + col + 1], o[d][3] * w1);
+        for (int d = 0; d < D / 8; ++d) {
+            mine[g * D + d * 8 + col] = o[d][0] * w0;
+            mine[g * D + d * 8 + col + 1] = o[d][1] * w0;
+        }
+    }
+    if (g + 8 < rows) {
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+            mine[(g + 8) * D + d * 8 + col] = o[d][2] * w1;
+            mine[(g + 8) * D + d * 8 + col + 1] = o[d][3] * w1;
+        }
     }
     __syncthreads();
     const int n_rows = p.batch * p.tq * p.hq;
@@ -459,7 +467,9 @@ __device__ __forceinline__ void decode(const Params& p) {
             const float mw = sm_m[w * 16 + r];
             if (mw != NEG_INF) l += sm_l[w * 16 + r] * ex2(mw - mx);
         }
-        const float val = l > 0.f ? sm_o[r * D + d] / l : 0.f;
+        const float sum = sm_o[r * D + d] + sm_o[(16 + r) * D + d] + sm_o[(32 + r) * D + d] +
+                          sm_o[(48 + r) * D + d];
+        const float val = l > 0.f ? sum / l : 0.f;
         const int j = r / p.tq, t = r % p.tq;
         const i64 orow = (i64)(b * p.tq + t) * p.hq + kvh * group + j;
         if (p.splits == 1) {

@@ -373,8 +373,10 @@ pub fn prepare_device(index: usize) -> Result<()> {
 }
 
 /// Waves of decode CTAs (two resident per SM) the split aims at: more waves balance the tail
-/// of long caches, fewer give each CTA more tiles to pipeline against its fixed cost.
-static DECODE_WAVES: AtomicUsize = AtomicUsize::new(4);
+/// of long caches, fewer give each CTA more tiles to pipeline against its fixed cost. One
+/// wave measured as fast or faster in every decode case of the benchmark (b1 x 4096: 29
+/// against 34 us; b1 x 32768: 2.27 against 1.74 TB/s; b16 x 32768 within 1%).
+static DECODE_WAVES: AtomicUsize = AtomicUsize::new(1);
 
 /// Chooses how many waves of CTAs the decode split aims at, 1 to 8 (benchmarks compare them).
 pub fn set_decode_waves(waves: usize) -> Result<()> {
