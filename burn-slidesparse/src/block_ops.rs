@@ -55,7 +55,7 @@ pub fn add_rms_norm<B: Backend, const D: usize>(
 pub fn silu_mul<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Result<Tensor<B, D>> {
     let dims = gate_up.dims();
     let full = dims[D - 1];
-    if full % 2 != 0 {
+    if !full.is_multiple_of(2) {
         return Err(SlideSparseError::shape(
             "SiLU-gated product input (an even last dimension: gate then up)",
             "an even width",
@@ -106,7 +106,11 @@ pub fn rope_attention<B: Backend>(
     let [batch, t, width] = qkv.dims();
     let (hq, hkv) = step.heads;
     let heads = hq + 2 * hkv;
-    if hkv == 0 || hq % hkv != 0 || width % heads != 0 || (width / heads) % 2 != 0 {
+    if hkv == 0
+        || !hq.is_multiple_of(hkv)
+        || !width.is_multiple_of(heads)
+        || !(width / heads).is_multiple_of(2)
+    {
         return Err(SlideSparseError::shape(
             "qkv width ((hq + 2 hkv) x an even head dim, hkv dividing hq)",
             format!("({hq} + 2 x {hkv}) x d"),
@@ -202,11 +206,14 @@ mod native {
         }
     }
 
+    /// `(x + delta if given, the norm)`.
+    type Normed<B, const D: usize> = (Option<Tensor<B, D>>, Tensor<B, D>);
+
     pub fn rms_norm<B: Backend, const D: usize>(
         x: &Tensor<B, D>,
         delta: Option<&Tensor<B, D>>,
         norm: &RmsNorm<B>,
-    ) -> Option<Result<(Option<Tensor<B, D>>, Tensor<B, D>)>> {
+    ) -> Option<Result<Normed<B, D>>> {
         let gamma = norm.gamma.val();
         let mut dtypes = vec![x.dtype(), gamma.dtype()];
         dtypes.extend(delta.map(|d| d.dtype()));

@@ -211,7 +211,7 @@ pub fn silu_mul(x: Tensor) -> Result<Tensor> {
     let mut shape = x.meta.shape().clone();
     let last = shape.num_dims() - 1;
     let full = shape[last];
-    if full == 0 || full % 2 != 0 {
+    if full == 0 || !full.is_multiple_of(2) {
         return Err(SlideSparseError::shape(
             "SiLU-gated product input (an even last dimension: gate then up)",
             "an even width",
@@ -297,7 +297,11 @@ fn rope_shape(
     let q = dims(qkv, 3, "qkv rank")?;
     let [batch, t, width] = [q[0], q[1], q[2]];
     let heads = hq + 2 * hkv;
-    if hkv == 0 || hq % hkv != 0 || width % heads != 0 || (width / heads) % 2 != 0 {
+    if hkv == 0
+        || !hq.is_multiple_of(hkv)
+        || !width.is_multiple_of(heads)
+        || !(width / heads).is_multiple_of(2)
+    {
         return Err(SlideSparseError::shape(
             "qkv width ((hq + 2 hkv) x an even head dim, hkv dividing hq)",
             format!("({hq} + 2 x {hkv}) x d"),
