@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|model] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model] [extra args...]
 # (`model` runs the model_throughput example; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
 # and device time; `all` runs
@@ -35,12 +35,14 @@ save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  ./gpu-bin/gpu-tests --ignored --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
-  echo "gpu tests exit code: $?"
-  grep -E "^test |test result|panicked|rel err|error" "$OUT/gpu-tests.log" | tail -30
+  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests; do
+    ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
+    echo "$t exit code: $?"
+    grep -E "^test |test result|panicked|rel err|error" "$OUT/$t.log" | tail -30
+  done
 fi
-for mode in gemm layer quant host decode fusion; do
-  if { [ "$what" = all ] && [ $mode != quant ] && [ $mode != host ] && [ $mode != decode ] && [ $mode != fusion ]; } || [ "$what" = $mode ]; then
+for mode in gemm layer quant host decode fusion attention; do
+  if { [ "$what" = all ] && [ $mode != quant ] && [ $mode != host ] && [ $mode != decode ] && [ $mode != fusion ] && [ $mode != attention ]; } || [ "$what" = $mode ]; then
     ./gpu-bin/slidesparse-bench $mode --json "$OUT/$mode.json" "$@" > "$OUT/$mode.md" 2> "$OUT/$mode.err"
     echo "$mode bench exit code: $?"
     tail -3 "$OUT/$mode.err"
