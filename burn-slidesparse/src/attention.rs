@@ -107,6 +107,25 @@ impl AttentionShape {
     }
 }
 
+/// The head dim of a fused `[q | k | v]` projection output `width` values wide, with `hq`
+/// query and `hkv` key/value heads: `width / (hq + 2 hkv)`, which must be whole and even
+/// (RoPE rotates pairs), with `hkv` dividing `hq`.
+pub(crate) fn qkv_head_dim(width: usize, (hq, hkv): (usize, usize)) -> Result<usize> {
+    let heads = hq + 2 * hkv;
+    if hkv == 0
+        || !hq.is_multiple_of(hkv)
+        || !width.is_multiple_of(heads)
+        || !(width / heads).is_multiple_of(2)
+    {
+        return Err(SlideSparseError::shape(
+            "qkv width ((hq + 2 hkv) x an even head dim, hkv dividing hq)",
+            format!("({hq} + 2 x {hkv}) x d"),
+            width,
+        ));
+    }
+    Ok(width / heads)
+}
+
 fn shape_of<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,

@@ -18,7 +18,7 @@ use burn::{
 };
 
 use crate::{
-    attention::{AttentionOptions, causal_attention},
+    attention::{AttentionOptions, causal_attention, qkv_head_dim},
     error::{Result, SlideSparseError},
 };
 
@@ -105,19 +105,7 @@ pub fn rope_attention<B: Backend>(
 ) -> Result<Tensor<B, 3>> {
     let [batch, t, width] = qkv.dims();
     let (hq, hkv) = step.heads;
-    let heads = hq + 2 * hkv;
-    if hkv == 0
-        || !hq.is_multiple_of(hkv)
-        || !width.is_multiple_of(heads)
-        || !(width / heads).is_multiple_of(2)
-    {
-        return Err(SlideSparseError::shape(
-            "qkv width ((hq + 2 hkv) x an even head dim, hkv dividing hq)",
-            format!("({hq} + 2 x {hkv}) x d"),
-            width,
-        ));
-    }
-    let d = width / heads;
+    let d = qkv_head_dim(width, (hq, hkv))?;
     let [max_len, table_d, _] = step.rope.freq_complex.dims();
     let end = step.start + t;
     let [cb, capacity, ch, cd] = keys.dims();

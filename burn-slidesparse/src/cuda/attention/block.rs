@@ -8,7 +8,10 @@ use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::server::Handle;
 
 use super::{Call, Launch, Runtime, device_kernels, submit, take_failure};
-use crate::error::{Result, SlideSparseError};
+use crate::{
+    attention::qkv_head_dim,
+    error::{Result, SlideSparseError},
+};
 
 /// Threads of an RMSNorm CTA (`NORM_THREADS` in `block.cu`).
 const NORM_THREADS: u32 = 1024;
@@ -296,19 +299,7 @@ fn rope_shape(
     };
     let q = dims(qkv, 3, "qkv rank")?;
     let [batch, t, width] = [q[0], q[1], q[2]];
-    let heads = hq + 2 * hkv;
-    if hkv == 0
-        || !hq.is_multiple_of(hkv)
-        || !width.is_multiple_of(heads)
-        || !(width / heads).is_multiple_of(2)
-    {
-        return Err(SlideSparseError::shape(
-            "qkv width ((hq + 2 hkv) x an even head dim, hkv dividing hq)",
-            format!("({hq} + 2 x {hkv}) x d"),
-            width,
-        ));
-    }
-    let d = width / heads;
+    let d = qkv_head_dim(width, (hq, hkv))?;
     let k = dims(cache[0], 4, "key cache rank")?;
     let capacity = k[1];
     for (c, name) in cache.iter().zip(["key cache", "value cache"]) {
