@@ -195,10 +195,14 @@ pub fn causal_attention_reference<B: Backend>(
 mod native {
     //! The CUDA kernels for burn-cuda's tensors (plain or fused: `native_ops`).
 
-    use burn::tensor::{DType, Shape, Tensor, TensorPrimitive, backend::Backend};
+    use burn::tensor::{Shape, Tensor, backend::Backend};
 
     use super::{AttentionOptions, shape_of};
-    use crate::{cuda::attention, error::Result, native_ops::run};
+    use crate::{
+        cuda::attention,
+        error::Result,
+        native_ops::{float, run, same_16_bit, wrap},
+    };
 
     /// The kernels' result if `B`'s tensors are CUDA's (plain or fused) and the kernels have a
     /// variant for these dtypes and head dim, `None` otherwise (the reference path runs).
@@ -208,11 +212,7 @@ mod native {
         v: &Tensor<B, 4>,
         options: AttentionOptions,
     ) -> Option<Result<Tensor<B, 4>>> {
-        let same_16_bit = matches!(
-            (q.dtype(), k.dtype(), v.dtype()),
-            (DType::BF16, DType::BF16, DType::BF16) | (DType::F16, DType::F16, DType::F16)
-        );
-        if !same_16_bit || !matches!(q.dims()[3], 64 | 128) {
+        if !same_16_bit(&[q.dtype(), k.dtype(), v.dtype()]) || !matches!(q.dims()[3], 64 | 128) {
             return None;
         }
         // Checked here, so that a fused execution has nothing left to fail on but the launch.
@@ -223,7 +223,6 @@ mod native {
         if let Err(e) = attention::check_supported(&s, [q.dtype(), k.dtype(), v.dtype()]) {
             return Some(Err(e));
         }
-        let float = |t: &Tensor<B, 4>| t.clone().into_primitive().tensor();
         let out = Shape::new([s.batch, s.tq, s.hq, s.d]);
         let (kv_len, scale) = (options.kv_len, options.scale);
         let outs = run::<B>(
@@ -237,8 +236,6 @@ mod native {
                 Ok(vec![attention::causal_attention(q, k, v, kv_len, scale)?])
             },
         )?;
-        Some(outs.map(|mut o| {
-            Tensor::from_primitive(TensorPrimitive::Float(o.pop().expect("one output")))
-        }))
+        Some(outs.map(|mut o| wrap(o.pop().expect("one output"))))
     }
 }

@@ -173,26 +173,15 @@ mod native {
 
     use burn::{
         nn::RmsNorm,
-        tensor::{DType, Tensor, TensorPrimitive, backend::Backend},
+        tensor::{Tensor, backend::Backend},
     };
 
     use super::RopeAttention;
     use crate::{
         cuda::attention as kernels,
         error::Result,
-        native_ops::{NativeTensors, run},
+        native_ops::{NativeTensors, float, run, same_16_bit as sixteen_bit, wrap},
     };
-
-    fn sixteen_bit(dtypes: &[DType]) -> bool {
-        dtypes.iter().all(|d| *d == DType::BF16) || dtypes.iter().all(|d| *d == DType::F16)
-    }
-
-    fn float<B: Backend, const D: usize>(t: &Tensor<B, D>) -> B::FloatTensorPrimitive {
-        match t.clone().into_primitive() {
-            TensorPrimitive::Float(p) => p,
-            TensorPrimitive::QFloat(_) => unreachable!("quantized tensors are refused before"),
-        }
-    }
 
     /// `(x + delta if given, the norm)`.
     type Normed<B, const D: usize> = (Option<Tensor<B, D>>, Tensor<B, D>);
@@ -281,9 +270,5 @@ mod native {
             },
         )?;
         Some(out.map(|mut outs| wrap(outs.pop().expect("one output"))))
-    }
-
-    fn wrap<B: Backend, const D: usize>(p: B::FloatTensorPrimitive) -> Tensor<B, D> {
-        Tensor::from_primitive(TensorPrimitive::Float(p))
     }
 }

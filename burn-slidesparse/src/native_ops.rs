@@ -30,6 +30,21 @@ type Cuda = CubeBackend<Runtime, f32, i32, u8>;
 type FusedCuda = FusionTensor<FusionCubeRuntime<Runtime>>;
 type Kernel = Box<dyn Fn(NativeTensors) -> Result<NativeTensors> + Send + Sync>;
 
+/// Whether every dtype is bf16 or every one f16 (what the kernels take).
+pub fn same_16_bit(dtypes: &[DType]) -> bool {
+    dtypes.iter().all(|d| *d == DType::BF16) || dtypes.iter().all(|d| *d == DType::F16)
+}
+
+/// The backend's float primitive of `t` (for [`run`]'s inputs).
+pub fn float<B: Backend, const D: usize>(t: &Tensor<B, D>) -> B::FloatTensorPrimitive {
+    t.clone().into_primitive().tensor()
+}
+
+/// A float primitive [`run`] returned, as a tensor.
+pub fn wrap<B: Backend, const D: usize>(p: B::FloatTensorPrimitive) -> Tensor<B, D> {
+    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(p))
+}
+
 fn cast<A: 'static, T: 'static>(value: A) -> std::result::Result<T, A> {
     let boxed = Box::new(value) as Box<dyn Any>;
     match boxed.downcast::<T>() {
