@@ -1,6 +1,8 @@
 //! Where the packer's time goes, stage by stage, on one random layer.
 //!
-//! `cargo run --release -p slidesparse-examples --example pack_timing -- [ROWS] [COLS]`
+//! `cargo run --release -p slidesparse-examples --example pack_timing -- [ROWS] [COLS] [REPS]`
+//!
+//! With `REPS`, only the whole `pack_linear` runs, `REPS` times (for profiling it alone).
 
 use std::time::Instant;
 
@@ -25,6 +27,16 @@ fn main() {
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    if let Some(&reps) = args.get(2) {
+        for _ in 0..reps {
+            let t = Instant::now();
+            pack_linear("w", &w, rows, cols, None, &options).unwrap();
+            let s = t.elapsed().as_secs_f64();
+            let mb = (rows * cols * 4) as f64 / 1e6;
+            println!("pack_linear {:>8.1} ms  {:>8.0} MB/s", s * 1e3, mb / s);
+        }
+        return;
+    }
     let mb = (rows * cols * 4) as f64 / 1e6;
     let time = |name: &str, f: &mut dyn FnMut()| {
         let t = Instant::now();

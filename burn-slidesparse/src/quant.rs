@@ -74,9 +74,10 @@ impl Precision {
     }
 
     /// Rounds a value the way this precision stores it, given the row scale.
+    #[inline]
     pub fn quantize(&self, value: f32, scale: f32) -> f32 {
         match self {
-            Precision::Int8 => (value / scale).round_ties_even().clamp(-127.0, 127.0),
+            Precision::Int8 => round_ties_even(value / scale).clamp(-127.0, 127.0),
             Precision::Fp8 => fp8::round_to_e4m3(value / scale),
             Precision::Bf16 => bf16::from_f32(value).to_f32(),
             Precision::F16 => f16::from_f32(value).to_f32(),
@@ -269,16 +270,10 @@ pub fn quantize_weight(
         None => vec![1.0; rows],
     };
     let codes = match precision {
-        Precision::Int8 => WeightCodes::I8(map_rows(values, cols, &scales, |v, s| {
-            precision.quantize(v, s) as i8
-        })),
-        Precision::Fp8 => WeightCodes::Fp8(map_rows(values, cols, &scales, |v, s| {
-            canonical_fp8(fp8::f32_to_e4m3(v / s))
-        })),
-        Precision::Bf16 => {
-            WeightCodes::Bf16(values.par_iter().map(|&v| bf16::from_f32(v)).collect())
-        }
-        Precision::F16 => WeightCodes::F16(values.par_iter().map(|&v| f16::from_f32(v)).collect()),
+        Precision::Int8 => WeightCodes::I8(map_rows(values, cols, &scales, i8::encode)),
+        Precision::Fp8 => WeightCodes::Fp8(map_rows(values, cols, &scales, u8::encode)),
+        Precision::Bf16 => WeightCodes::Bf16(map_rows(values, cols, &scales, bf16::encode)),
+        Precision::F16 => WeightCodes::F16(map_rows(values, cols, &scales, f16::encode)),
         Precision::F32 => WeightCodes::F32(values.to_vec()),
     };
     QuantizedWeight {
@@ -307,6 +302,99 @@ fn map_rows<T: Send + Default + Clone>(
     out
 }
 
+/// `x.round_ties_even()`, bit for bit (the sign of zero included), without the call to
+/// `rintf` that the baseline x86-64 target makes of it (no SSE4.1 `roundss`): that call was
+/// the packer's largest single cost. Adding and subtracting `2^23` rounds `|x| < 2^23` to an
+/// integer in the default round-to-nearest-even mode (the sum lies in `[2^23, 2^24)`, whose
+/// spacing is 1); larger magnitudes are integers already. No branch calls the library: LLVM
+/// evaluates both sides of such a branch and selects, which kept the call for every element.
+#[inline]
+pub(crate) fn round_ties_even(x: f32) -> f32 {
+    const TWO_23: f32 = 8_388_608.0;
+    let a = x.abs();
+    let rounded = if a < TWO_23 { (a + TWO_23) - TWO_23 } else { a };
+    rounded.copysign(x)
+}
+
+/// One precision's element encoding: a value and its row's scale to a code, and a code back
+/// to its value before the scale. Each storage type belongs to exactly one precision, so the
+/// type names the encoding: the staged quantizer and the packer's fused row pass share it.
+pub(crate) trait Codec: crate::slide::SlideElement + Default {
+    /// The precision stored in this type.
+    const PRECISION: Precision;
+    /// Encodes `value` at `scale` (1 for the float precisions).
+    fn encode(value: f32, scale: f32) -> Self;
+    /// The code's value before the scale.
+    fn decode(self) -> f32;
+    /// Wraps a row-major code vector.
+    fn into_codes(codes: Vec<Self>) -> WeightCodes;
+}
+
+impl Codec for i8 {
+    const PRECISION: Precision = Precision::Int8;
+    fn encode(value: f32, scale: f32) -> Self {
+        Precision::Int8.quantize(value, scale) as i8
+    }
+    fn decode(self) -> f32 {
+        self as f32
+    }
+    fn into_codes(codes: Vec<Self>) -> WeightCodes {
+        WeightCodes::I8(codes)
+    }
+}
+
+impl Codec for u8 {
+    const PRECISION: Precision = Precision::Fp8;
+    fn encode(value: f32, scale: f32) -> Self {
+        canonical_fp8(fp8::f32_to_e4m3(value / scale))
+    }
+    fn decode(self) -> f32 {
+        fp8::e4m3_to_f32(self)
+    }
+    fn into_codes(codes: Vec<Self>) -> WeightCodes {
+        WeightCodes::Fp8(codes)
+    }
+}
+
+impl Codec for bf16 {
+    const PRECISION: Precision = Precision::Bf16;
+    fn encode(value: f32, _scale: f32) -> Self {
+        bf16::from_f32(value)
+    }
+    fn decode(self) -> f32 {
+        self.to_f32()
+    }
+    fn into_codes(codes: Vec<Self>) -> WeightCodes {
+        WeightCodes::Bf16(codes)
+    }
+}
+
+impl Codec for f16 {
+    const PRECISION: Precision = Precision::F16;
+    fn encode(value: f32, _scale: f32) -> Self {
+        f16::from_f32(value)
+    }
+    fn decode(self) -> f32 {
+        self.to_f32()
+    }
+    fn into_codes(codes: Vec<Self>) -> WeightCodes {
+        WeightCodes::F16(codes)
+    }
+}
+
+impl Codec for f32 {
+    const PRECISION: Precision = Precision::F32;
+    fn encode(value: f32, _scale: f32) -> Self {
+        value
+    }
+    fn decode(self) -> f32 {
+        self
+    }
+    fn into_codes(codes: Vec<Self>) -> WeightCodes {
+        WeightCodes::F32(codes)
+    }
+}
+
 /// `-0` (0x80) becomes `+0`: a negative zero has been seen to break 2:4 compressors.
 pub(crate) fn canonical_fp8(code: u8) -> u8 {
     if code == 0x80 { 0 } else { code }
@@ -315,6 +403,41 @@ pub(crate) fn canonical_fp8(code: u8) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_ties_even_matches_the_library_bit_for_bit() {
+        let check = |x: f32| {
+            assert_eq!(
+                round_ties_even(x).to_bits(),
+                x.round_ties_even().to_bits(),
+                "{x:e}"
+            )
+        };
+        // Every quarter in +-4096 (halves, the ties), and both signs of zero.
+        (-16384..=16384).for_each(|q| check(q as f32 / 4.0));
+        check(-0.0);
+        // Around 2^22 (halves stop) and 2^23 (fractions stop).
+        for base in [4_194_304.0f32, 8_388_608.0, 8_388_609.0] {
+            let mut x = base;
+            for _ in 0..64 {
+                for v in [x, -x] {
+                    check(v);
+                }
+                x = f32::from_bits(x.to_bits() - 1);
+            }
+        }
+        // Bit patterns spread over every exponent: a xorshift walk over the finite range.
+        let mut state = 0x9E37_79B9u32;
+        for _ in 0..2_000_000 {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            let x = f32::from_bits(state);
+            if x.is_finite() {
+                check(x);
+            }
+        }
+    }
 
     #[test]
     fn int8_rounds_half_to_even_and_clamps() {

@@ -3,6 +3,7 @@
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SparsityPattern,
     internals::pack::prune_and_quantize,
+    internals::quant::quantize_weight,
     internals::slide::{first_2_4_violation, slide_matrix},
     pack_linear,
 };
@@ -105,6 +106,77 @@ fn lifted_integer_gemm_equals_the_dense_gemm_exactly() {
                     .sum();
                 let row = &slid[j * g.k_prime()..(j + 1) * g.k_prime()];
                 assert_eq!(lifted_dot(row, xr, &g), dense);
+            }
+        }
+    }
+}
+
+/// `||a - b||^2` and `||a||^2` in f64.
+fn squared_error(a: &[f32], b: &[f32]) -> (f64, f64) {
+    a.iter().zip(b).fold((0.0, 0.0), |(e, n), (&x, &y)| {
+        (e + (x as f64 - y as f64).powi(2), n + (x as f64).powi(2))
+    })
+}
+
+/// `pack_linear` runs its stages fused row by row; the result must be exactly the stages run
+/// one after the other over the whole matrix (prune, quantize, slide), for every pattern,
+/// precision and row-local prune method, and its statistics must be those of the stages.
+#[test]
+fn fused_packing_equals_the_staged_stages_exactly() {
+    let mut rng = rng(4);
+    for pattern in SparsityPattern::all().take(8) {
+        for precision in Precision::ALL {
+            let (n_out, k) = (rng.random_range(1..24), rng.random_range(1..160));
+            // Small integers: exact zeros and ties, which the tie rules must agree on.
+            let w = if rng.random_bool(0.5) {
+                random_small_ints(&mut rng, n_out * k, 3)
+            } else {
+                random_f32(&mut rng, n_out * k)
+            };
+            let norms: Vec<f32> = (0..k).map(|_| rng.random_range(0.0..2.0)).collect();
+            let pre_pruned =
+                burn_slidesparse::prune("w", &w, n_out, k, pattern, &PruneMethod::Magnitude)
+                    .unwrap();
+            let methods = [
+                (PruneMethod::Magnitude, &w),
+                (
+                    PruneMethod::ActivationAware {
+                        input_norms: norms.clone(),
+                    },
+                    &w,
+                ),
+                (PruneMethod::None, &pre_pruned),
+            ];
+            for (method, input) in methods {
+                let mut options = PackOptions::new(pattern, precision);
+                options.prune = method.clone();
+                let ctx = format!("{pattern} {precision} {method} [{n_out}, {k}]");
+                let (packed, quantized, stats) =
+                    pack_linear("w", input, n_out, k, None, &options).unwrap();
+                let pruned =
+                    burn_slidesparse::prune("w", input, n_out, k, pattern, &method).unwrap();
+                let staged = quantize_weight(&pruned, n_out, k, precision);
+                assert_eq!(quantized, staged, "{ctx}: codes and scales");
+                assert_eq!(
+                    packed.weight.codes.to_f32(),
+                    slide_matrix(&staged.codes.to_f32(), n_out, &packed.geometry()).unwrap(),
+                    "{ctx}: slid codes"
+                );
+                assert_eq!(packed.weight.scales, staged.scales, "{ctx}: slid scales");
+                let nnz = |v: &[f32]| v.iter().filter(|x| **x != 0.0).count();
+                assert_eq!(stats.nonzeros_before, nnz(input), "{ctx}");
+                assert_eq!(stats.nonzeros_kept, nnz(&staged.codes.to_f32()), "{ctx}");
+                let rel = |(e, n): (f64, f64)| if n == 0.0 { 0.0 } else { (e / n).sqrt() };
+                let pruning = rel(squared_error(input, &pruned));
+                let total = rel(squared_error(input, &staged.dequantize()));
+                assert!(
+                    (stats.pruning_error - pruning).abs() <= 1e-9 * (1.0 + pruning),
+                    "{ctx}"
+                );
+                assert!(
+                    (stats.total_error - total).abs() <= 1e-6 * (1.0 + total),
+                    "{ctx}"
+                );
             }
         }
     }
