@@ -1,8 +1,9 @@
 //! End-to-end throughput of the example Llama model on burn-cuda (feature `cuda`), with
 //! random weights at a real model's shapes and a few blocks, for each kind of linear layer:
 //! burn's bf16 `nn::Linear`, the dense quantized baseline (`QuantizedLinear`, same pipeline
-//! as SlideSparse without the slide), and SlideSparse at each pattern. The LM head and
-//! embeddings stay bf16 in every variant; activations are bf16.
+//! as SlideSparse without the slide), and SlideSparse at each pattern. The embeddings stay
+//! bf16 in every variant, and the LM head too unless `--head int8` (a dense INT8 head in
+//! every quantized variant, the zero-block model included); activations are bf16.
 //!
 //! The model runs as an inference engine: burn-cuda with fusion (`--backend plain`: without),
 //! q/k/v and gate/up fused into one layer each (`--separate`: not), the attention kernels of
@@ -88,6 +89,10 @@ struct Args {
     /// full depth), and its GPU memory after preparation is reported.
     #[arg(long, default_value = "pack")]
     weights: String,
+    /// The LM head of the quantized variants: `bf16` (as the embeddings) or `int8` (a dense
+    /// INT8 layer, as the block linears of the dense INT8 baseline). Untied heads only.
+    #[arg(long, default_value = "bf16")]
+    head: String,
 }
 
 /// The shapes of a named model with `layers` blocks.
@@ -125,6 +130,30 @@ fn convert<B: SlideSparseBackend>(
         }
     }
     Ok(())
+}
+
+/// `--head int8`: the LM head of a quantized variant (and of the zero-block model that the
+/// per-block figures subtract) becomes a dense INT8 layer; `bf16` keeps burn's bf16 head.
+fn convert_head<B: SlideSparseBackend>(
+    model: &mut Llama<B>,
+    args: &Args,
+    variant: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    match args.head.as_str() {
+        "bf16" => Ok(()),
+        "int8" if variant == "bf16" => Ok(()),
+        "int8" if config(&args.model, 0)?.tie_embeddings => Err(format!(
+            "--head int8: {} ties its LM head to the embedding matrix; an INT8 head would be \
+             a second copy of it (more memory, not less)",
+            args.model
+        )
+        .into()),
+        "int8" => {
+            drop(quantize_dense(model, Precision::Int8, |name| name == "lm_head")?);
+            Ok(())
+        }
+        other => Err(format!("--head {other}: expected bf16 or int8").into()),
+    }
 }
 
 /// A cheap deterministic generator (xorshift64*) for random codes.
@@ -459,11 +488,12 @@ fn run<B: SlideSparseBackend>(args: &Args) -> Result<(), Box<dyn std::error::Err
     if args.weights == "random" {
         return run_random::<B>(args, &config);
     }
-    let head_only = LlamaConfig {
+    let mut head_only = LlamaConfig {
         layers: 0,
         ..config.clone()
     }
     .init::<B>(&device);
+    convert_head(&mut head_only, args, "head-only")?;
     measure(args, vocab, "head-only", &head_only, &mut results);
     drop(head_only);
     let base = config.init::<B>(&device);
@@ -477,6 +507,7 @@ fn run<B: SlideSparseBackend>(args: &Args) -> Result<(), Box<dyn std::error::Err
         let started = Instant::now();
         let mut model = base.clone();
         convert(&mut model, variant)?;
+        convert_head(&mut model, args, variant)?;
         if !args.separate {
             model.fuse_projections()?;
         }
@@ -523,6 +554,7 @@ fn run_random<B: SlideSparseBackend>(
             convert_random(&mut model, variant)?;
             model
         };
+        convert_head(&mut model, args, variant)?;
         // burn initializes parameters lazily, on first use: materialize them all (the bf16
         // linears, embeddings and head) so that the report counts the whole model.
         model.visit(&mut Materialize);
@@ -573,8 +605,8 @@ fn print_memory(args: &Args, memory: &[(String, MemoryReport)]) {
             .map(|(_, r)| r.allocator_in_use as f64)
     };
     println!(
-        "\n{} with {} blocks, GPU memory after preparation (allocator: live cubecl allocations; driver: the process's device memory in use)",
-        args.model, args.layers
+        "\n{} with {} blocks, LM head {}, GPU memory after preparation (allocator: live cubecl allocations; driver: the process's device memory in use)",
+        args.model, args.layers, args.head
     );
     println!(
         "| variant | allocator in use (MiB) | x dense-int8 | x bf16 | allocator reserved (MiB) | driver used (MiB) |"
