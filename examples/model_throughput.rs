@@ -149,7 +149,9 @@ fn convert_head<B: SlideSparseBackend>(
         )
         .into()),
         "int8" => {
-            drop(quantize_dense(model, Precision::Int8, |name| name == "lm_head")?);
+            drop(quantize_dense(model, Precision::Int8, |name| {
+                name == "lm_head"
+            })?);
             Ok(())
         }
         other => Err(format!("--head {other}: expected bf16 or int8").into()),
