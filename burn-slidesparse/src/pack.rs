@@ -323,7 +323,8 @@ pub struct PackStats {
 ///
 /// The stages run fused, one row at a time (see [`pack_rows`]); the result is exactly that
 /// of running them one after the other over the whole matrix ([`prune_and_quantize`], then
-/// the slide), which the tests check.
+/// the slide), which the tests check. Refused: a layer without inputs (`in_features == 0`)
+/// and a row whose 8-bit scale underflows to zero (every weight of the row subnormal).
 pub fn pack_linear(
     name: &str,
     weight: &[f32],
@@ -340,6 +341,14 @@ pub fn pack_linear(
             format!("{name}: bias"),
             [out_features],
             [b.len()],
+        ));
+    }
+    if in_features == 0 {
+        // No input columns: nothing to prune or slide, and no row maximum to scale by.
+        return Err(SlideSparseError::shape(
+            format!("{name}: input width"),
+            "at least 1",
+            0,
         ));
     }
     let pruner = prune::row_pruner(
@@ -455,6 +464,8 @@ impl RowSums {
 /// Why a row failed the pass; the lowest failing row is reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum RowFailure {
+    /// The row's scale (bits) is not finite and positive.
+    Scale(u32),
     /// More nonzeros in a block than the windows hold: `(block, nonzeros)`.
     Slide(usize, usize),
     /// An aligned 4-wide window of `W'` with more than two nonzeros: `(column, nonzeros)`.
@@ -482,14 +493,6 @@ fn pack_rows<T: Codec>(job: &RowJob<'_>) -> Result<PackedRows> {
     let mut codes = vec![T::ZERO; rows * k];
     let mut slid = vec![T::ZERO; rows * kp];
     let mut scales = vec![1.0f32; rows];
-    if k == 0 || kp == 0 {
-        return Ok(PackedRows {
-            codes: T::into_codes(codes),
-            slid: T::into_codes(slid),
-            scales,
-            sums: RowSums::default(),
-        });
-    }
     // Each worker keeps two row-sized scratch buffers: the pruned f32 row and the un-slid row.
     let scratch = || (vec![0.0f32; k], vec![T::ZERO; k]);
     let (sums, failure) = codes
@@ -501,6 +504,11 @@ fn pack_rows<T: Codec>(job: &RowJob<'_>) -> Result<PackedRows> {
             let src = &job.weight[r * k..(r + 1) * k];
             job.pruner.prune_row(r, src, pruned, job.pattern);
             *scale = qmax.map_or(1.0, |m| row_scale(pruned, m));
+            if !(scale.is_finite() && *scale > 0.0) {
+                // A row whose largest weight is subnormal: `max / qmax` underflows to 0.
+                let failure = Some((r, RowFailure::Scale(scale.to_bits())));
+                return (RowSums::default(), failure);
+            }
             q.iter_mut()
                 .zip(pruned.iter())
                 .for_each(|(c, &v)| *c = T::encode(v, *scale));
@@ -582,6 +590,12 @@ fn row_sums<T: Codec>(src: &[f32], pruned: &[f32], q: &[T], scale: f32) -> RowSu
 fn row_failure(job: &RowJob<'_>, row: usize, f: RowFailure) -> SlideSparseError {
     let name = job.name.to_string();
     match f {
+        RowFailure::Scale(bits) => SlideSparseError::VerifyMismatch {
+            tensor: name,
+            row,
+            column: 0,
+            detail: format!("scale {} is not finite and positive", f32::from_bits(bits)),
+        },
         RowFailure::Slide(block, nonzeros) => slide_failure(
             job.name,
             job.pattern,

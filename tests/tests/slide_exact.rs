@@ -1,9 +1,9 @@
 //! Slide and lift are lossless: exhaustive over all block masks, randomized over matrices.
 
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SparsityPattern,
+    PackOptions, Precision, PruneMethod, SlideSparseError, SparseGptCalibration, SparsityPattern,
     internals::pack::prune_and_quantize,
-    internals::quant::quantize_weight,
+    internals::quant::{WeightCodes, quantize_weight},
     internals::slide::{first_2_4_violation, slide_matrix},
     pack_linear,
 };
@@ -137,6 +137,9 @@ fn fused_packing_equals_the_staged_stages_exactly() {
             let pre_pruned =
                 burn_slidesparse::prune("w", &w, n_out, k, pattern, &PruneMethod::Magnitude)
                     .unwrap();
+            let tokens = 6;
+            let x = random_f32(&mut rng, tokens * k);
+            let calibration = SparseGptCalibration::from_inputs(&x, tokens, k).unwrap();
             let methods = [
                 (PruneMethod::Magnitude, &w),
                 (
@@ -146,6 +149,7 @@ fn fused_packing_equals_the_staged_stages_exactly() {
                     &w,
                 ),
                 (PruneMethod::None, &pre_pruned),
+                (PruneMethod::SparseGpt(calibration), &w),
             ];
             for (method, input) in methods {
                 let mut options = PackOptions::new(pattern, precision);
@@ -156,13 +160,32 @@ fn fused_packing_equals_the_staged_stages_exactly() {
                 let pruned =
                     burn_slidesparse::prune("w", input, n_out, k, pattern, &method).unwrap();
                 let staged = quantize_weight(&pruned, n_out, k, precision);
-                assert_eq!(quantized, staged, "{ctx}: codes and scales");
+                // Bit for bit: the sign of zero and FP8's 0x80 included.
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
-                    packed.weight.codes.to_f32(),
-                    slide_matrix(&staged.codes.to_f32(), n_out, &packed.geometry()).unwrap(),
+                    quantized.codes.to_le_bytes(),
+                    staged.codes.to_le_bytes(),
+                    "{ctx}"
+                );
+                assert_eq!(
+                    bits(&quantized.scales),
+                    bits(&staged.scales),
+                    "{ctx}: scales"
+                );
+                let g = packed.geometry();
+                let staged_slid = match &staged.codes {
+                    WeightCodes::I8(v) => WeightCodes::I8(slide_matrix(v, n_out, &g).unwrap()),
+                    WeightCodes::Fp8(v) => WeightCodes::Fp8(slide_matrix(v, n_out, &g).unwrap()),
+                    WeightCodes::Bf16(v) => WeightCodes::Bf16(slide_matrix(v, n_out, &g).unwrap()),
+                    WeightCodes::F16(v) => WeightCodes::F16(slide_matrix(v, n_out, &g).unwrap()),
+                    WeightCodes::F32(v) => WeightCodes::F32(slide_matrix(v, n_out, &g).unwrap()),
+                };
+                assert_eq!(
+                    packed.weight.codes.to_le_bytes(),
+                    staged_slid.to_le_bytes(),
                     "{ctx}: slid codes"
                 );
-                assert_eq!(packed.weight.scales, staged.scales, "{ctx}: slid scales");
+                assert_eq!(bits(&packed.weight.scales), bits(&staged.scales), "{ctx}");
                 let nnz = |v: &[f32]| v.iter().filter(|x| **x != 0.0).count();
                 assert_eq!(stats.nonzeros_before, nnz(input), "{ctx}");
                 assert_eq!(stats.nonzeros_kept, nnz(&staged.codes.to_f32()), "{ctx}");
@@ -179,5 +202,29 @@ fn fused_packing_equals_the_staged_stages_exactly() {
                 );
             }
         }
+    }
+}
+
+/// What the packer refuses, whatever runs its stages: a row whose largest weight is so small
+/// that its 8-bit scale underflows to zero, and a layer without input columns.
+#[test]
+fn packing_refuses_an_underflowing_scale_and_an_empty_input_width() {
+    let tiny = f32::from_bits(1); // the smallest subnormal: max / 127 rounds to 0
+    for precision in [Precision::Int8, Precision::Fp8] {
+        let options = PackOptions::new(SparsityPattern::P6_8, precision);
+        let w = [1.0, 0.5, 0.0, 0.0, tiny, 0.0, 0.0, 0.0];
+        match pack_linear("w", &w, 2, 4, None, &options) {
+            Err(SlideSparseError::VerifyMismatch {
+                row: 1,
+                column: 0,
+                detail,
+                ..
+            }) => assert!(detail.contains("not finite and positive"), "{detail}"),
+            other => panic!("{precision}: expected the row-1 scale error, got {other:?}"),
+        }
+        assert!(matches!(
+            pack_linear("w", &[], 3, 0, None, &options),
+            Err(SlideSparseError::ShapeMismatch { .. })
+        ));
     }
 }
