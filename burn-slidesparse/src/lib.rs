@@ -37,6 +37,8 @@ mod swap;
 #[cfg(feature = "internals")]
 mod synthetic;
 mod tensor_parallel;
+#[cfg(test)]
+mod test_rng;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

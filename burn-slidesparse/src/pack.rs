@@ -642,17 +642,6 @@ pub fn prune_and_quantize(
     in_features: usize,
     options: &PackOptions,
 ) -> Result<QuantizedWeight> {
-    prune_then_quantize(name, weight, out_features, in_features, options).map(|(_, q)| q)
-}
-
-/// The first two packer stages; the pruned f32 weight is kept for the statistics.
-fn prune_then_quantize(
-    name: &str,
-    weight: &[f32],
-    out_features: usize,
-    in_features: usize,
-    options: &PackOptions,
-) -> Result<(Vec<f32>, QuantizedWeight)> {
     let pruned = prune::prune(
         name,
         weight,
@@ -661,8 +650,12 @@ fn prune_then_quantize(
         options.pattern,
         &options.prune,
     )?;
-    let quantized = quantize_weight(&pruned, out_features, in_features, options.precision);
-    Ok((pruned, quantized))
+    Ok(quantize_weight(
+        &pruned,
+        out_features,
+        in_features,
+        options.precision,
+    ))
 }
 
 fn slide_failure(

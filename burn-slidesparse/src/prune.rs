@@ -382,13 +382,8 @@ mod tests {
     /// of the two worst columns drops exactly what sorting drops, for every pattern.
     #[test]
     fn scored_pruning_equals_sorting_each_block() {
-        let mut state = 0x1234_5678u32;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut rng = crate::test_rng::XorShift32(0x1234_5678);
+        let mut next = move || rng.next_u32();
         for case in 0..3000 {
             let pattern = SparsityPattern::from_n(2 + next() % 15).unwrap();
             let (rows, cols) = (1 + (next() % 4) as usize, 1 + (next() % 60) as usize);

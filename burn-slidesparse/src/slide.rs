@@ -262,13 +262,8 @@ mod tests {
     /// the block-wise un-slide agrees with the definition on the result and on the error.
     #[test]
     fn unslide_agrees_with_its_definition_on_any_row() {
-        let mut state = 0x2545_F491u32;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut rng = crate::test_rng::XorShift32(0x2545_F491);
+        let mut next = move || rng.next_u32();
         for case in 0..4000 {
             let n = 2 + next() % 7;
             let k = 1 + (next() % 70) as usize;
