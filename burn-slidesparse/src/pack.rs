@@ -1,6 +1,6 @@
 //! The offline packer: prune -> quantize -> slide -> verify, for one linear layer.
 
-use cubecl_kernels::geometry::{SlideGeometry, WINDOW};
+use cubecl_kernels::geometry::SlideGeometry;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -275,22 +275,23 @@ fn unslide_matrix<T: SlideElement>(
         .min_by_key(|(r, _)| *r);
     match first_error {
         None => Ok(out),
-        Some((row, e)) => {
-            let (column, what) = match e {
-                UnslideError::NonzeroInPadding { column } => {
-                    (column, "a nonzero in a padding column")
-                }
-                UnslideError::Collision { column } => {
-                    (column, "a second nonzero for the same source column")
-                }
-            };
-            Err(SlideSparseError::VerifyMismatch {
-                tensor: name.to_string(),
-                row,
-                column,
-                detail: format!("W' is not a valid slide: {what}"),
-            })
+        Some((row, e)) => Err(unslide_error(name, row, e)),
+    }
+}
+
+/// The error of a `W'` row that does not un-slide.
+fn unslide_error(name: &str, row: usize, e: UnslideError) -> SlideSparseError {
+    let (column, what) = match e {
+        UnslideError::NonzeroInPadding { column } => (column, "a nonzero in a padding column"),
+        UnslideError::Collision { column } => {
+            (column, "a second nonzero for the same source column")
         }
+    };
+    SlideSparseError::VerifyMismatch {
+        tensor: name.to_string(),
+        row,
+        column,
+        detail: format!("W' is not a valid slide: {what}"),
     }
 }
 
@@ -471,15 +472,9 @@ enum RowFailure {
     /// An aligned 4-wide window of `W'` with more than two nonzeros: `(column, nonzeros)`.
     Window(usize, usize),
     /// `W'` does not un-slide.
-    Unslide(UnslideKind, usize),
+    Unslide(UnslideError),
     /// The un-slid row differs from the quantized row at this column.
     Mismatch(usize),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum UnslideKind {
-    Padding,
-    Collision,
 }
 
 /// Prunes, quantizes, slides and verifies every row in one parallel pass over rows, each row
@@ -548,20 +543,10 @@ fn slide_and_check<T: Codec>(
     geometry: &SlideGeometry,
 ) -> std::result::Result<(), RowFailure> {
     slide::slide_row(q, geometry, s).map_err(|(block, nnz)| RowFailure::Slide(block, nnz))?;
-    if let Some((w, win)) = s
-        .chunks(WINDOW)
-        .enumerate()
-        .find(|(_, win)| win.iter().filter(|v| !v.is_zero()).count() > 2)
-    {
-        let nnz = win.iter().filter(|v| !v.is_zero()).count();
-        return Err(RowFailure::Window(w * WINDOW, nnz));
+    if let Some((column, nnz)) = slide::row_2_4_violation(s) {
+        return Err(RowFailure::Window(column, nnz));
     }
-    slide::unslide_row(s, geometry, back).map_err(|e| match e {
-        UnslideError::NonzeroInPadding { column } => {
-            RowFailure::Unslide(UnslideKind::Padding, column)
-        }
-        UnslideError::Collision { column } => RowFailure::Unslide(UnslideKind::Collision, column),
-    })?;
+    slide::unslide_row(s, geometry, back).map_err(RowFailure::Unslide)?;
     match back
         .iter()
         .zip(q)
@@ -612,18 +597,7 @@ fn row_failure(job: &RowJob<'_>, row: usize, f: RowFailure) -> SlideSparseError 
             column,
             nonzeros,
         },
-        RowFailure::Unslide(kind, column) => SlideSparseError::VerifyMismatch {
-            tensor: name,
-            row,
-            column,
-            detail: format!(
-                "W' is not a valid slide: {}",
-                match kind {
-                    UnslideKind::Padding => "a nonzero in a padding column",
-                    UnslideKind::Collision => "a second nonzero for the same source column",
-                }
-            ),
-        },
+        RowFailure::Unslide(e) => unslide_error(job.name, row, e),
         RowFailure::Mismatch(column) => SlideSparseError::VerifyMismatch {
             tensor: name,
             row,

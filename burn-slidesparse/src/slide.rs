@@ -137,7 +137,7 @@ pub fn slide_matrix<T: SlideElement>(
 }
 
 /// Where un-sliding a row went wrong.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum UnslideError {
     /// A nonzero sits in a padding column (`src(o)` is none).
     NonzeroInPadding {
@@ -203,13 +203,17 @@ pub fn first_2_4_violation<T: SlideElement>(
     values
         .par_chunks(cols)
         .enumerate()
-        .filter_map(|(r, row)| {
-            row.chunks(WINDOW).enumerate().find_map(|(w, win)| {
-                let nnz = win.iter().filter(|v| !v.is_zero()).count();
-                (nnz > 2).then_some((r, w * WINDOW, nnz))
-            })
-        })
+        .filter_map(|(r, row)| row_2_4_violation(row).map(|(c, nnz)| (r, c, nnz)))
         .min()
+}
+
+/// First aligned 4-wide window of one row holding more than two nonzeros: `(first column,
+/// nonzeros)`.
+pub fn row_2_4_violation<T: SlideElement>(row: &[T]) -> Option<(usize, usize)> {
+    row.chunks(WINDOW).enumerate().find_map(|(w, win)| {
+        let nnz = win.iter().filter(|v| !v.is_zero()).count();
+        (nnz > 2).then_some((w * WINDOW, nnz))
+    })
 }
 
 #[cfg(test)]
