@@ -1,14 +1,17 @@
 //! Fine-tune then pack: prune SmolLM2's block linears to a pattern, fine-tune them under the
-//! mask (the pruned weights stay exactly zero), save the fine-tuned weights as a safetensors
-//! checkpoint, pack it to the portable SlideSparse format, reload the packed layers as
-//! `SlideSparseLinear` and report held-out perplexity at every stage.
+//! mask (the pruned weights stay exactly zero), distilling from the dense model, save the
+//! fine-tuned weights as a safetensors checkpoint, pack it to the portable SlideSparse
+//! format, reload the packed layers as `SlideSparseLinear` and report perplexity at every
+//! stage on held-out text and on texts the calibration and training never saw.
 //!
 //! `cargo run --release -p slidesparse-examples --example finetune_then_pack -- --pattern 6:8
-//!   --steps 100 [--lr 1e-4] [--seq 128] [--out target/finetune]`
+//!   --steps 100 [--objective kl|lm|kl-lm] [--lr 1e-4] [--seq 128] [--batch 1]
+//!   [--eval-text FILE]... [--out target/finetune]`
 //!
-//! Text: Python's `pydoc_data/topics.py`; the first `--eval-tokens` tokens are held out for
-//! evaluation, training reads the tokens after them (disjoint). Runs on the CPU (NdArray) by
-//! default and on burn-cuda with `--features cuda` (`--device cuda`).
+//! Text: Python's `pydoc_data/topics.py` (or the `--text` files); the first `--eval-tokens`
+//! tokens of the first one are held out for evaluation, training reads random windows of the
+//! rest (disjoint). Runs on the CPU (NdArray) by default and, built with `--features cuda`, on
+//! burn's CUDA backend with fusion (`--device cuda`) or without (`--device cuda-plain`).
 
 use std::{
     collections::HashMap,
@@ -22,7 +25,6 @@ use burn::{
     optim::{AdamConfig, GradientsParams, Optimizer},
     tensor::{
         ElementConversion, Int, Tensor, TensorData,
-        activation::log_softmax,
         backend::{AutodiffBackend, Backend},
     },
 };
@@ -36,14 +38,16 @@ use burn_slidesparse::{
     },
     mask_with, pack_checkpoint,
 };
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng, rngs::StdRng};
 use slidesparse_examples::{
     eval::{calibration_norms, perplexity},
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::{KvCache, Llama},
     tokenizer::Tokenizer,
+    train::{Objective, kl_loss, learning_rate, lm_loss},
 };
 
 #[derive(Parser)]
@@ -55,20 +59,40 @@ struct Args {
     prune: String,
     #[arg(long, default_value_t = 100)]
     steps: usize,
+    /// What training minimizes: `kl` (distillation from the dense model's logits), `lm`
+    /// (next-token cross entropy) or `kl-lm` (their sum).
+    #[arg(long, value_enum, default_value_t = Objective::Kl)]
+    objective: Objective,
+    /// Peak learning rate (Adam).
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
+    /// `linear`: warm-up over `--warmup` steps, then linear decay to zero; `constant`.
+    #[arg(long, default_value = "linear")]
+    schedule: String,
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Seed of the random choice of training windows.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Tokens per training sequence.
     #[arg(long, default_value_t = 128)]
     seq: usize,
     /// Sequences per step.
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// Training and evaluation text (default: Python's `pydoc_data/topics.py`).
+    /// Training text, repeatable (default: Python's `pydoc_data/topics.py`). The first
+    /// `--eval-tokens` tokens of the first one are held out for evaluation.
     #[arg(long)]
-    text: Option<PathBuf>,
-    /// Held-out tokens at the start of `--text` (evaluation only).
+    text: Vec<PathBuf>,
+    /// Held-out tokens at the start of the first `--text` (evaluation only).
     #[arg(long, default_value_t = 1024)]
     eval_tokens: usize,
+    /// Further evaluation texts, never trained or calibrated on (repeatable).
+    #[arg(long)]
+    eval_text: Vec<PathBuf>,
+    /// Tokens read from the start of each `--eval-text` (0: the whole text).
+    #[arg(long, default_value_t = 0)]
+    eval_max_tokens: usize,
     #[arg(long, default_value_t = 512)]
     window: usize,
     #[arg(long, default_value_t = 256)]
@@ -85,12 +109,14 @@ struct Args {
     out: PathBuf,
     #[arg(long)]
     gguf: Option<PathBuf>,
-    /// `cpu` or (with `--features cuda`) `cuda`.
+    /// `cpu` or (with `--features cuda`) `cuda` (burn's CUDA backend, with fusion) or
+    /// `cuda-plain` (without fusion).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Control run: fine-tune the dense block linears with the same data and steps, no
-    /// pruning and no packing (separates the gain from adapting to the text from the
-    /// recovery of what pruning lost).
+    /// Control run: fine-tune the dense block linears with the same data, objective and
+    /// steps, no pruning and no packing (separates the gain from adapting to the text from
+    /// the recovery of what pruning lost). With `--objective kl` the dense model is its own
+    /// teacher and does not change, so the control is refused there.
     #[arg(long)]
     dense_control: bool,
 }
@@ -102,9 +128,30 @@ fn main() -> Result<(), Error> {
     match args.device.as_str() {
         "cpu" => run::<Autodiff<NdArray>>(&args, &Default::default()),
         #[cfg(feature = "cuda")]
-        "cuda" => run::<Autodiff<burn_slidesparse::cuda::CudaBackend>>(&args, &Default::default()),
-        other => Err(slidesparse_examples::unknown_device(other).into()),
+        "cuda" => {
+            run::<Autodiff<burn_slidesparse::cuda::CudaFusionBackend>>(&args, &Default::default())
+        }
+        #[cfg(feature = "cuda")]
+        "cuda-plain" => {
+            run::<Autodiff<burn_slidesparse::cuda::CudaBackend>>(&args, &Default::default())
+        }
+        other => Err(format!(
+            "{}{}",
+            slidesparse_examples::unknown_device(other),
+            if cfg!(feature = "cuda") {
+                ", cuda-plain"
+            } else {
+                ""
+            }
+        )
+        .into()),
     }
+}
+
+/// One evaluation text: its label for the table and its tokens.
+struct EvalText {
+    label: String,
+    ids: Vec<u32>,
 }
 
 /// The pipeline on autodiff backend `B` (evaluation runs on its inner backend).
@@ -113,55 +160,52 @@ where
     B: AutodiffBackend + SlideSparseBackend,
     B::InnerBackend: SlideSparseBackend,
 {
+    if args.dense_control && args.objective == Objective::Kl {
+        return Err(
+            "--dense-control with --objective kl: the dense model distilled from itself \
+                    has zero loss and does not change; its perplexity is the dense row"
+                .into(),
+        );
+    }
+    if !matches!(args.schedule.as_str(), "linear" | "constant") {
+        return Err(format!("unknown --schedule {}: linear or constant", args.schedule).into());
+    }
     let path = smollm2_gguf(args.gguf.as_deref())?;
     let bytes = std::fs::read(&path)?;
     let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
     let tok = Tokenizer::from_gguf(&file)?;
-    let text_path = match &args.text {
-        Some(p) => p.clone(),
-        None => python_topics().ok_or("Python's pydoc_data/topics.py not found: pass --text")?,
+    let (evals, train_ids) = read_texts(args, &tok)?;
+    let ppl = |name: &str, model: &Llama<B::InnerBackend>| -> Vec<f64> {
+        evals
+            .iter()
+            .map(|text| {
+                let start = Instant::now();
+                let (ppl, n) = perplexity(model, &text.ids, args.window, args.stride);
+                println!(
+                    "{name:<28} {:<28} ppl {ppl:>8.3}  ({n} tokens, {:.0} s)",
+                    text.label,
+                    start.elapsed().as_secs_f64()
+                );
+                ppl
+            })
+            .collect()
     };
-    let text = std::fs::read_to_string(&text_path)
-        .map_err(|e| format!("{}: {e} (pass --text)", text_path.display()))?;
-    let ids = tok.encode(&text)?;
-    if ids.len() < args.eval_tokens + args.seq + 1 {
-        return Err(format!(
-            "{} has {} tokens: too few for {} held-out tokens plus one training sequence",
-            text_path.display(),
-            ids.len(),
-            args.eval_tokens
-        )
-        .into());
-    }
-    let (eval_ids, train_ids) = ids.split_at(args.eval_tokens);
-    println!(
-        "{}: {} tokens held out for evaluation, {} for training",
-        text_path.display(),
-        eval_ids.len(),
-        train_ids.len()
-    );
-    let ppl = |name: &str, model: &Llama<B::InnerBackend>| {
-        let start = Instant::now();
-        let (ppl, n) = perplexity(model, eval_ids, args.window, args.stride);
-        println!(
-            "{name:<34} ppl {ppl:>8.3}  ({n} tokens, {:.0} s)",
-            start.elapsed().as_secs_f64()
-        );
-        ppl
-    };
-    let mut table = Vec::new();
-    let mut model = load_llama::<B>(&file, args.window.max(args.seq), device)?;
+    let mut table: Vec<(String, Vec<f64>)> = Vec::new();
+    let mut model = load_llama::<B>(&file, max_len(args), device)?;
+    let teacher = args.objective.needs_teacher().then(|| model.valid());
     table.push((
         "dense (before pruning)".into(),
         ppl("dense", &model.valid()),
     ));
 
     if args.dense_control {
-        let (model, report) = finetune(args, model, train_ids, device)?;
-        let tuned = ppl("dense fine-tuned", &model.valid());
-        println!("\ndense control, {report}\n| stage | ppl |\n|---|---|");
-        println!("| dense (before fine-tuning) | {:.3} |", table[0].1);
-        println!("| dense fine-tuned, f32 | {tuned:.3} |");
+        let (model, report) = finetune(args, model, teacher.as_ref(), &train_ids, device)?;
+        table.push((
+            "dense fine-tuned, f32".into(),
+            ppl("dense fine-tuned", &model.valid()),
+        ));
+        println!("\ndense control, {report}");
+        print_table(&evals, &table);
         return Ok(());
     }
 
@@ -190,18 +234,26 @@ where
         "pruned, f32 (one-shot)".into(),
         ppl("pruned", &model.valid()),
     ));
+    let (_, one_shot) = save_and_pack(args, &model.valid(), "one-shot")?;
+    let reloaded = reload_packed(&file, args, &one_shot)?;
+    table.push((
+        format!("pruned, packed {} (one-shot)", args.precision),
+        ppl("pruned + packed", &reloaded),
+    ));
+    drop(reloaded);
 
-    let (model, train_report) = finetune(args, model, train_ids, device)?;
+    let (model, train_report) = finetune(args, model, teacher.as_ref(), &train_ids, device)?;
+    drop(teacher);
     table.push((
         "fine-tuned, f32 (masked)".into(),
         ppl("fine-tuned", &model.valid()),
     ));
 
-    let (checkpoint, packed) = save_and_pack(args, &model.valid())?;
+    let (checkpoint, packed) = save_and_pack(args, &model.valid(), "finetuned")?;
     let reloaded = reload_packed(&file, args, &packed)?;
     table.push((
         format!("fine-tuned, packed {}", args.precision),
-        ppl("packed + reloaded", &reloaded),
+        ppl("fine-tuned + packed", &reloaded),
     ));
 
     println!(
@@ -213,11 +265,93 @@ where
         checkpoint.display(),
         packed.display()
     );
-    println!("| stage | ppl |\n|---|---|");
-    for (stage, ppl) in table {
-        println!("| {stage} | {ppl:.3} |");
-    }
+    print_table(&evals, &table);
     Ok(())
+}
+
+/// The evaluation texts (the held-out head of the first `--text`, then every `--eval-text`)
+/// and the training tokens (the rest of the first `--text` and every further one).
+fn read_texts(args: &Args, tok: &Tokenizer) -> Result<(Vec<EvalText>, Vec<u32>), Error> {
+    let texts = if args.text.is_empty() {
+        vec![python_topics().ok_or("Python's pydoc_data/topics.py not found: pass --text")?]
+    } else {
+        args.text.clone()
+    };
+    let read = |path: &Path| -> Result<Vec<u32>, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(tok.encode(&text)?)
+    };
+    let name = |path: &Path| {
+        path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        )
+    };
+    let first = read(&texts[0])?;
+    if first.len() < args.eval_tokens + args.batch * (args.seq + 1) {
+        return Err(format!(
+            "{} has {} tokens: too few for {} held-out tokens plus one training step",
+            texts[0].display(),
+            first.len(),
+            args.eval_tokens
+        )
+        .into());
+    }
+    let (held_out, mut train) = (
+        first[..args.eval_tokens].to_vec(),
+        first[args.eval_tokens..].to_vec(),
+    );
+    for path in &texts[1..] {
+        train.extend(read(path)?);
+    }
+    let mut evals = vec![EvalText {
+        label: format!("{}@0 (held out)", name(&texts[0])),
+        ids: held_out,
+    }];
+    for path in &args.eval_text {
+        let mut ids = read(path)?;
+        if args.eval_max_tokens > 0 {
+            ids.truncate(args.eval_max_tokens);
+        }
+        evals.push(EvalText {
+            label: format!("{} (unseen)", name(path)),
+            ids,
+        });
+    }
+    println!(
+        "training: {} tokens of {}; evaluation: {}",
+        train.len(),
+        texts.iter().map(|p| name(p)).collect::<Vec<_>>().join(", "),
+        evals
+            .iter()
+            .map(|e| format!("{} ({} tokens)", e.label, e.ids.len()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok((evals, train))
+}
+
+/// A markdown table: one row per stage, one column per evaluation text, each perplexity
+/// with its change against the first row (the dense model).
+fn print_table(evals: &[EvalText], table: &[(String, Vec<f64>)]) {
+    let labels: Vec<&str> = evals.iter().map(|e| e.label.as_str()).collect();
+    println!("| stage | {} |", labels.join(" | "));
+    println!("|---|{}", "---|".repeat(labels.len()));
+    let dense = &table[0].1;
+    for (stage, ppls) in table {
+        let cells: Vec<String> = ppls
+            .iter()
+            .zip(dense)
+            .map(|(p, d)| {
+                if std::ptr::eq(ppls, dense) {
+                    format!("{p:.3}")
+                } else {
+                    format!("{p:.3} ({:+.1}%)", (p / d - 1.0) * 100.0)
+                }
+            })
+            .collect();
+        println!("| {stage} | {} |", cells.join(" | "));
+    }
 }
 
 /// The parameters the optimizer may change: the weights (and biases) of the block linears,
@@ -242,31 +376,51 @@ fn trainable_ids<B: Backend>(model: &mut Llama<B>) -> Vec<ParamId> {
     ids
 }
 
-/// Next-token cross entropy of `tokens [batch, t + 1]`.
-fn loss<B: SlideSparseBackend>(model: &Llama<B>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+/// The loss of one step on `tokens [batch, t + 1]`: the student's logits at the first `t`
+/// positions against the next tokens and/or the teacher's logits.
+fn step_loss<B>(
+    objective: Objective,
+    model: &Llama<B>,
+    teacher: Option<&Llama<B::InnerBackend>>,
+    tokens: Tensor<B, 2, Int>,
+) -> Tensor<B, 1>
+where
+    B: AutodiffBackend + SlideSparseBackend,
+    B::InnerBackend: SlideSparseBackend,
+{
     let [batch, len] = tokens.dims();
-    let t = len - 1;
-    let input = tokens.clone().slice([0..batch, 0..t]);
-    let target = tokens.slice([0..batch, 1..len]).reshape([batch * t, 1]);
-    let logits = model.forward(input, &mut KvCache::default());
-    let vocab = logits.dims()[2];
-    let logp = log_softmax(logits.reshape([batch * t, vocab]), 1);
-    logp.gather(1, target).mean().neg()
+    let input = tokens.clone().slice([0..batch, 0..len - 1]);
+    let logits = model.forward(input.clone(), &mut KvCache::default());
+    let kl = || {
+        let teacher = teacher.expect("a distillation objective has a teacher");
+        let target = teacher.forward(input.clone().inner(), &mut KvCache::default());
+        kl_loss(logits.clone(), Tensor::from_inner(target))
+    };
+    let lm = || lm_loss(logits.clone(), tokens.clone().slice([0..batch, 1..len]));
+    match objective {
+        Objective::Lm => lm(),
+        Objective::Kl => kl(),
+        Objective::KlLm => kl() + lm(),
+    }
 }
 
-/// Adam on the masked weights over consecutive `[batch, seq + 1]` windows of `train_ids`.
+/// Adam on the masked weights over `[batch, seq + 1]` windows of `train_ids` at random
+/// offsets (seeded by `--seed`).
 fn finetune<B>(
     args: &Args,
     mut model: Llama<B>,
+    teacher: Option<&Llama<B::InnerBackend>>,
     train_ids: &[u32],
     device: &B::Device,
 ) -> Result<(Llama<B>, String), Error>
 where
     B: AutodiffBackend + SlideSparseBackend,
+    B::InnerBackend: SlideSparseBackend,
 {
     let ids = trainable_ids(&mut model);
     let mut optim = AdamConfig::new().init::<B, Llama<B>>();
-    let per_step = args.batch * (args.seq + 1);
+    let window = args.seq + 1;
+    let mut rng = StdRng::seed_from_u64(args.seed);
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
         ProgressStyle::with_template("fine-tune {bar:30} {pos}/{len} {msg} [{elapsed}<{eta}]")
@@ -275,31 +429,37 @@ where
     let start = Instant::now();
     let (mut first_loss, mut last_loss) = (f32::NAN, f32::NAN);
     for step in 0..args.steps {
-        // Wrap around the training text (an epoch is `train_ids.len() / per_step` steps).
-        let offset = (step * per_step) % (train_ids.len() - per_step).max(1);
-        let window: Vec<i64> = train_ids[offset..offset + per_step]
-            .iter()
-            .map(|&i| i as i64)
-            .collect();
-        let tokens = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(window, [args.batch, args.seq + 1]),
-            device,
-        );
-        let loss = loss(&model, tokens);
+        let mut batch = Vec::with_capacity(args.batch * window);
+        for _ in 0..args.batch {
+            let offset = rng.random_range(0..=train_ids.len() - window);
+            batch.extend(train_ids[offset..offset + window].iter().map(|&i| i as i64));
+        }
+        let tokens =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(batch, [args.batch, window]), device);
+        let loss = step_loss(args.objective, &model, teacher, tokens);
         let value = loss.clone().into_scalar().elem::<f32>();
         if !value.is_finite() {
             return Err(format!("step {step}: loss is {value}; lower --lr").into());
         }
         let mut grads = loss.backward();
         let grads = GradientsParams::from_params(&mut grads, &model, &ids);
-        model = optim.step(args.lr, model, grads);
+        let lr = match args.schedule.as_str() {
+            "constant" => args.lr,
+            _ => learning_rate(args.lr, step, args.steps, args.warmup),
+        };
+        model = optim.step(lr, model, grads);
         if step == 0 {
             first_loss = value;
         }
         last_loss = value;
         let tokens_per_s =
             ((step + 1) * args.batch * args.seq) as f64 / start.elapsed().as_secs_f64();
-        bar.set_message(format!("loss {value:.3}, {tokens_per_s:.0} tok/s"));
+        let message = format!("loss {value:.4}, lr {lr:.2e}, {tokens_per_s:.0} tok/s");
+        // Without a terminal the bar draws nothing: log every twentieth of the run instead.
+        if bar.is_hidden() && (step + 1) % (args.steps / 20).max(1) == 0 {
+            eprintln!("fine-tune step {}/{}: {message}", step + 1, args.steps);
+        }
+        bar.set_message(message);
         bar.inc(1);
     }
     bar.finish();
@@ -307,11 +467,17 @@ where
     Ok((
         model,
         format!(
-            "{} steps x {} tokens = {} tokens, Adam lr {}, loss {first_loss:.3} -> {last_loss:.3}, {seconds:.0} s",
+            "{} objective, {} steps x {} tokens = {} tokens, Adam lr {} ({}, warm-up {}), loss {first_loss:.4} -> {last_loss:.4}, {seconds:.0} s",
+            args.objective
+                .to_possible_value()
+                .expect("every objective has a name")
+                .get_name(),
             args.steps,
             args.batch * args.seq,
             args.steps * args.batch * args.seq,
-            args.lr
+            args.lr,
+            args.schedule,
+            args.warmup,
         ),
     ))
 }
@@ -328,17 +494,21 @@ fn python_topics() -> Option<PathBuf> {
     found.pop()
 }
 
-/// Writes the fine-tuned block linears (masked weights, `[out, in]`) as an f32 safetensors
+/// Writes the (pruned or fine-tuned: `stage` names the files) block linears (masked weights, `[out, in]`) as an f32 safetensors
 /// checkpoint, then packs it with the same packer as `slidesparse pack` (pattern checked,
 /// not re-pruned). Returns both paths.
-fn save_and_pack<B: Backend>(args: &Args, model: &Llama<B>) -> Result<(PathBuf, PathBuf), Error> {
+fn save_and_pack<B: Backend>(
+    args: &Args,
+    model: &Llama<B>,
+    stage: &str,
+) -> Result<(PathBuf, PathBuf), Error> {
     std::fs::create_dir_all(&args.out)?;
     let checkpoint = args
         .out
-        .join(format!("smollm2-{}-finetuned.safetensors", args.pattern).replace(':', "_"));
+        .join(format!("smollm2-{}-{stage}.safetensors", args.pattern).replace(':', "_"));
     let packed = args.out.join(
         format!(
-            "smollm2-{}-{}.slidesparse.safetensors",
+            "smollm2-{}-{stage}-{}.slidesparse.safetensors",
             args.pattern, args.precision
         )
         .replace(':', "_"),
@@ -378,7 +548,7 @@ fn reload_packed<B: SlideSparseBackend>(
     packed: &Path,
 ) -> Result<Llama<B>, Error> {
     let device = Default::default();
-    let mut model = load_llama::<B>(file, args.window.max(args.seq), &device)?;
+    let mut model = load_llama::<B>(file, max_len(args), &device)?;
     let packed_file = PackedFile::load(packed)?;
     model.visit_linears(&mut |name, layer| {
         if let Some(p) = packed_file.layer(name) {
@@ -389,4 +559,10 @@ fn reload_packed<B: SlideSparseBackend>(
         Ok(())
     })?;
     Ok(model)
+}
+
+/// The longest sequence the model sees: an evaluation window, a training sequence or the
+/// calibration tokens (its RoPE table is built for this length).
+fn max_len(args: &Args) -> usize {
+    args.window.max(args.seq).max(args.calibration_tokens)
 }

@@ -8,6 +8,7 @@ pub mod hf_llama;
 pub mod llama;
 pub mod sampling;
 pub mod tokenizer;
+pub mod train;
 
 /// The error for a `--device` value the examples do not know (which ones exist depends on
 /// the `cuda` feature).
