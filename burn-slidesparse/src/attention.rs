@@ -227,7 +227,7 @@ mod native {
         let (kv_len, scale) = (options.kv_len, options.scale);
         let outs = run::<B>(
             "slidesparse_causal_attention",
-            vec![float(q), float(k), float(v)],
+            vec![float(q.clone()), float(k.clone()), float(v.clone())],
             vec![out],
             q.dtype(),
             move |mut t| {

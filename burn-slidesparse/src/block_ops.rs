@@ -28,9 +28,10 @@ pub fn rms_norm<B: Backend, const D: usize>(
     norm: &RmsNorm<B>,
 ) -> Result<Tensor<B, D>> {
     #[cfg(feature = "cuda")]
-    if let Some(out) = native::rms_norm(&x, None, norm) {
-        return out.map(|(_, normed)| normed);
-    }
+    let x = match native::rms_norm(x, None, norm) {
+        Ok(out) => return out.map(|(_, normed)| normed),
+        Err((x, _)) => x,
+    };
     Ok(norm.forward(x))
 }
 
@@ -43,9 +44,10 @@ pub fn add_rms_norm<B: Backend, const D: usize>(
     norm: &RmsNorm<B>,
 ) -> Result<(Tensor<B, D>, Tensor<B, D>)> {
     #[cfg(feature = "cuda")]
-    if let Some(out) = native::rms_norm(&x, Some(&delta), norm) {
-        return out.map(|(sum, normed)| (sum.expect("the sum of an add"), normed));
-    }
+    let (x, delta) = match native::rms_norm(x, Some(delta), norm) {
+        Ok(out) => return out.map(|(sum, normed)| (sum.expect("the sum of an add"), normed)),
+        Err((x, delta)) => (x, delta.expect("given")),
+    };
     let sum = x + delta;
     Ok((sum.clone(), norm.forward(sum)))
 }
@@ -63,9 +65,10 @@ pub fn silu_mul<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Result<Ten
         ));
     }
     #[cfg(feature = "cuda")]
-    if let Some(out) = native::silu_mul(&gate_up) {
-        return out;
-    }
+    let gate_up = match native::silu_mul(gate_up) {
+        Ok(out) => return out,
+        Err(gate_up) => gate_up,
+    };
     let f = full / 2;
     let gate = gate_up.clone().narrow(D - 1, 0, f);
     let up = gate_up.narrow(D - 1, f, f);
@@ -127,9 +130,10 @@ pub fn rope_attention<B: Backend>(
         ));
     }
     #[cfg(feature = "cuda")]
-    if let Some(out) = native::rope_attention(&qkv, keys, values, &step) {
-        return out;
-    }
+    let qkv = match native::rope_attention(qkv, keys, values, &step) {
+        Ok(out) => return out,
+        Err(qkv) => qkv,
+    };
     let q = qkv.clone().narrow(2, 0, hq * d).reshape([batch, t, hq, d]);
     let k = qkv
         .clone()
@@ -168,8 +172,10 @@ fn rotate<B: Backend>(x: Tensor<B, 4>, table: &Tensor<B, 3>) -> Tensor<B, 4> {
 #[cfg(feature = "cuda")]
 mod native {
     //! burn-cuda's tensors (plain or fused, a checked downcast from the backend's tensor
-    //! type) to the kernels of `cuda::attention`; `None` for every other backend or for
-    //! what the kernels do not cover, so the caller runs the reference.
+    //! type) to the kernels of `cuda::attention`. The inputs the caller gives up are moved
+    //! into the operation (on fusion a clone would cost one more queued operation, the
+    //! caller's drop); for every other backend, or what the kernels do not cover, they come
+    //! back as `Err` untouched and the caller runs the reference.
 
     use burn::{
         nn::RmsNorm,
@@ -180,33 +186,42 @@ mod native {
     use crate::{
         cuda::attention as kernels,
         error::Result,
-        native_ops::{NativeTensors, float, run, same_16_bit as sixteen_bit, wrap},
+        native_ops::{NativeTensors, float, is_cuda, run, same_16_bit as sixteen_bit, wrap},
     };
 
     /// `(x + delta if given, the norm)`.
     type Normed<B, const D: usize> = (Option<Tensor<B, D>>, Tensor<B, D>);
+    /// The inputs of [`rms_norm`], given back.
+    type NormInputs<B, const D: usize> = (Tensor<B, D>, Option<Tensor<B, D>>);
+
+    /// The operation's outputs; `run` has no `None` for burn-cuda's tensors.
+    fn ran<B: Backend>(
+        out: Option<Result<Vec<B::FloatTensorPrimitive>>>,
+    ) -> Result<Vec<B::FloatTensorPrimitive>> {
+        out.expect("checked: burn-cuda's tensors")
+    }
 
     pub fn rms_norm<B: Backend, const D: usize>(
-        x: &Tensor<B, D>,
-        delta: Option<&Tensor<B, D>>,
+        x: Tensor<B, D>,
+        delta: Option<Tensor<B, D>>,
         norm: &RmsNorm<B>,
-    ) -> Option<Result<Normed<B, D>>> {
+    ) -> std::result::Result<Result<Normed<B, D>>, NormInputs<B, D>> {
         let gamma = norm.gamma.val();
         let mut dtypes = vec![x.dtype(), gamma.dtype()];
-        dtypes.extend(delta.map(|d| d.dtype()));
-        if !sixteen_bit(&dtypes) {
-            return None;
+        dtypes.extend(delta.as_ref().map(|d| d.dtype()));
+        if !is_cuda::<B>() || !sixteen_bit(&dtypes) {
+            return Err((x, delta));
         }
-        let mut inputs = vec![float(x), float(&gamma)];
-        inputs.extend(delta.map(float));
-        let shape = x.shape();
+        let (shape, dtype) = (x.shape(), x.dtype());
         let outputs = vec![shape; if delta.is_some() { 2 } else { 1 }];
+        let mut inputs = vec![float(x), float(gamma)];
+        inputs.extend(delta.map(float));
         let eps = norm.epsilon;
         let out = run::<B>(
             "slidesparse_rms_norm",
             inputs,
             outputs,
-            x.dtype(),
+            dtype,
             move |mut t: NativeTensors| {
                 let delta = (t.len() == 3).then(|| t.pop().expect("three inputs"));
                 let gamma = t.pop().expect("gamma");
@@ -214,51 +229,61 @@ mod native {
                 let (sum, normed) = kernels::rms_norm(x, delta, gamma, eps)?;
                 Ok([Some(normed), sum].into_iter().flatten().collect())
             },
-        )?;
-        Some(out.map(|mut outs| {
+        );
+        Ok(ran::<B>(out).map(|mut outs| {
             let sum = (outs.len() == 2).then(|| wrap(outs.pop().expect("two outputs")));
             (sum, wrap(outs.pop().expect("one output")))
         }))
     }
 
-    pub fn silu_mul<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<Result<Tensor<B, D>>> {
-        if !sixteen_bit(&[x.dtype()]) {
-            return None;
+    pub fn silu_mul<B: Backend, const D: usize>(
+        x: Tensor<B, D>,
+    ) -> std::result::Result<Result<Tensor<B, D>>, Tensor<B, D>> {
+        if !is_cuda::<B>() || !sixteen_bit(&[x.dtype()]) {
+            return Err(x);
         }
-        let mut shape = x.shape();
+        let (mut shape, dtype) = (x.shape(), x.dtype());
         shape[D - 1] /= 2;
         let out = run::<B>(
             "slidesparse_silu_mul",
             vec![float(x)],
             vec![shape],
-            x.dtype(),
+            dtype,
             |mut t| Ok(vec![kernels::silu_mul(t.pop().expect("one input"))?]),
-        )?;
-        Some(out.map(|mut outs| wrap(outs.pop().expect("one output"))))
+        );
+        Ok(ran::<B>(out).map(|mut outs| wrap(outs.pop().expect("one output"))))
     }
 
+    /// `qkv` is moved in; the table and the caches are read through clones (the model keeps
+    /// them).
     pub fn rope_attention<B: Backend>(
-        qkv: &Tensor<B, 3>,
+        qkv: Tensor<B, 3>,
         keys: &Tensor<B, 4>,
         values: &Tensor<B, 4>,
         step: &RopeAttention<'_, B>,
-    ) -> Option<Result<Tensor<B, 3>>> {
+    ) -> std::result::Result<Result<Tensor<B, 3>>, Tensor<B, 3>> {
         let table = &step.rope.freq_complex;
         let dtypes = [qkv.dtype(), table.dtype(), keys.dtype(), values.dtype()];
         let [batch, t, _] = qkv.dims();
         let (hq, _) = step.heads;
         let d = keys.dims()[3];
-        if !sixteen_bit(&dtypes) || !matches!(d, 64 | 128) {
-            return None;
+        if !is_cuda::<B>() || !sixteen_bit(&dtypes) || !matches!(d, 64 | 128) {
+            return Err(qkv);
         }
-        let inputs = vec![float(qkv), float(table), float(keys), float(values)];
+        let dtype = qkv.dtype();
+        let inputs = vec![
+            float(qkv),
+            float(table.clone()),
+            float(keys.clone()),
+            float(values.clone()),
+        ];
         let out_shape = burn::tensor::Shape::new([batch, t, hq * d]);
         let (start, heads, scale) = (step.start, step.heads, step.scale);
         let out = run::<B>(
             "slidesparse_rope_attention",
             inputs,
             vec![out_shape],
-            qkv.dtype(),
+            dtype,
             move |mut t| {
                 let values = t.pop().expect("four inputs");
                 let keys = t.pop().expect("four inputs");
@@ -268,7 +293,7 @@ mod native {
                     qkv, table, keys, values, start, heads, scale,
                 )?])
             },
-        )?;
-        Some(out.map(|mut outs| wrap(outs.pop().expect("one output"))))
+        );
+        Ok(ran::<B>(out).map(|mut outs| wrap(outs.pop().expect("one output"))))
     }
 }

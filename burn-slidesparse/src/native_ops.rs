@@ -8,7 +8,11 @@
 //! A fused execution cannot return its error: its outputs are NaN (never a stale result) and
 //! the error is kept for the next call, which returns it as `SlideSparseError::Deferred`.
 
-use std::{any::Any, fmt, sync::Mutex};
+use std::{
+    any::{Any, TypeId},
+    fmt,
+    sync::Mutex,
+};
 
 use burn::tensor::{DType, Shape, Tensor, backend::Backend};
 use burn_cubecl::{CubeBackend, fusion::FusionCubeRuntime, tensor::CubeTensor};
@@ -35,9 +39,17 @@ pub fn same_16_bit(dtypes: &[DType]) -> bool {
     dtypes.iter().all(|d| *d == DType::BF16) || dtypes.iter().all(|d| *d == DType::F16)
 }
 
-/// The backend's float primitive of `t` (for [`run`]'s inputs).
-pub fn float<B: Backend, const D: usize>(t: &Tensor<B, D>) -> B::FloatTensorPrimitive {
-    t.clone().into_primitive().tensor()
+/// Whether `B`'s float tensors are burn-cuda's, plain or fused (what [`run`] takes).
+pub fn is_cuda<B: Backend>() -> bool {
+    let id = TypeId::of::<B::FloatTensorPrimitive>();
+    id == TypeId::of::<CubeTensor<Runtime>>() || id == TypeId::of::<FusedCuda>()
+}
+
+/// The backend's float primitive of `t` (for [`run`]'s inputs), moved: on fusion an input
+/// whose last handle the operation takes is freed when the operation runs, where a clone
+/// would leave the caller's copy to queue one more (drop) operation.
+pub fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> B::FloatTensorPrimitive {
+    t.into_primitive().tensor()
 }
 
 /// A float primitive [`run`] returned, as a tensor.
