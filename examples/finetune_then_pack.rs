@@ -104,6 +104,11 @@ struct Args {
     /// Precision of the packed model.
     #[arg(long, default_value = "int8")]
     precision: Precision,
+    /// Quantization-aware fine-tuning: the masked layers' forward rounds weights and
+    /// activations as the packed `--precision` layer does (int8 or fp8; gradients pass
+    /// straight through), so the fine-tuned f32 stage already computes the packed function.
+    #[arg(long)]
+    qat: bool,
     /// Where the checkpoint and the packed file go.
     #[arg(long, default_value = "target/finetune")]
     out: PathBuf,
@@ -160,16 +165,7 @@ where
     B: AutodiffBackend + SlideSparseBackend,
     B::InnerBackend: SlideSparseBackend,
 {
-    if args.dense_control && args.objective == Objective::Kl {
-        return Err(
-            "--dense-control with --objective kl: the dense model distilled from itself \
-                    has zero loss and does not change; its perplexity is the dense row"
-                .into(),
-        );
-    }
-    if !matches!(args.schedule.as_str(), "linear" | "constant") {
-        return Err(format!("unknown --schedule {}: linear or constant", args.schedule).into());
-    }
+    check_args(args)?;
     let path = smollm2_gguf(args.gguf.as_deref())?;
     let bytes = std::fs::read(&path)?;
     let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
@@ -211,7 +207,9 @@ where
 
     // Prune every block linear (not the LM head) and keep it trainable under the mask.
     let norms = if args.prune == "wanda" {
-        let calib = tok.encode(&std::fs::read_to_string(&args.calibration)?)?;
+        let calib = std::fs::read_to_string(&args.calibration)
+            .map_err(|e| format!("--calibration {}: {e}", args.calibration.display()))?;
+        let calib = tok.encode(&calib)?;
         calibration_norms(&model.valid(), &calib, args.calibration_tokens)
     } else {
         HashMap::new()
@@ -242,12 +240,17 @@ where
     ));
     drop(reloaded);
 
+    if args.qat {
+        simulate_quantization(&mut model, args.precision)?;
+    }
     let (model, train_report) = finetune(args, model, teacher.as_ref(), &train_ids, device)?;
     drop(teacher);
-    table.push((
-        "fine-tuned, f32 (masked)".into(),
-        ppl("fine-tuned", &model.valid()),
-    ));
+    let stage = if args.qat {
+        format!("fine-tuned, simulated {} (masked, QAT)", args.precision)
+    } else {
+        "fine-tuned, f32 (masked)".into()
+    };
+    table.push((stage, ppl("fine-tuned", &model.valid())));
 
     let (checkpoint, packed) = save_and_pack(args, &model.valid(), "finetuned")?;
     let reloaded = reload_packed(&file, args, &packed)?;
@@ -266,6 +269,88 @@ where
         packed.display()
     );
     print_table(&evals, &table);
+    Ok(())
+}
+
+/// Refuses arguments that would panic later or measure something else than asked.
+fn check_args(args: &Args) -> Result<(), Error> {
+    let fail = |msg: String| -> Result<(), Error> { Err(msg.into()) };
+    if args.dense_control && args.objective == Objective::Kl {
+        return fail(
+            "--dense-control with --objective kl: the dense model distilled from itself has \
+             zero loss and does not change; its perplexity is the dense row"
+                .into(),
+        );
+    }
+    if args.dense_control && args.qat {
+        return fail(
+            "--qat simulates the packed layers' quantization: not for --dense-control".into(),
+        );
+    }
+    if args.steps == 0 || args.batch == 0 || args.seq == 0 {
+        return fail("--steps, --batch and --seq must be at least 1".into());
+    }
+    if args.stride == 0 || args.stride > args.window {
+        return fail(format!(
+            "need 0 < --stride <= --window, got {} and {}",
+            args.stride, args.window
+        ));
+    }
+    match args.schedule.as_str() {
+        "linear" if args.warmup >= args.steps => {
+            return fail(format!(
+                "--warmup {} must be below --steps {} (the rate decays after it)",
+                args.warmup, args.steps
+            ));
+        }
+        "linear" => {}
+        "constant" if args.warmup > 0 => {
+            return fail("--warmup applies to --schedule linear only".into());
+        }
+        "constant" => {}
+        other => return fail(format!("unknown --schedule {other}: linear or constant")),
+    }
+    if !matches!(args.prune.as_str(), "wanda" | "magnitude") {
+        return fail(format!(
+            "unknown --prune {}: wanda or magnitude",
+            args.prune
+        ));
+    }
+    // The held-out head of the first text must reach neither training nor calibration.
+    let key = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let texts: Vec<PathBuf> = args.text.iter().map(|p| key(p)).collect();
+    for (i, t) in texts.iter().enumerate() {
+        if texts[..i].contains(t) {
+            return fail(format!("--text {} is given twice", t.display()));
+        }
+        if args.eval_text.iter().any(|e| key(e) == *t) {
+            return fail(format!(
+                "{} is both a --text and an --eval-text",
+                t.display()
+            ));
+        }
+    }
+    if args.prune == "wanda" && texts.first() == Some(&key(&args.calibration)) {
+        return fail(
+            "--calibration is the first --text, whose head is held out: pass another text".into(),
+        );
+    }
+    Ok(())
+}
+
+/// Makes every masked layer's forward simulate `precision`'s rounding (quantization-aware
+/// fine-tuning), so that training sees the function the packed file computes.
+fn simulate_quantization<B: Backend>(
+    model: &mut Llama<B>,
+    precision: Precision,
+) -> Result<(), Error> {
+    model.visit_linears(&mut |_, layer| {
+        if let MaybeSparseLinear::Masked(m) = layer {
+            let simulated = m.clone().with_quantization(precision)?;
+            *m = simulated;
+        }
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -288,6 +373,9 @@ fn read_texts(args: &Args, tok: &Tokenizer) -> Result<(Vec<EvalText>, Vec<u32>),
         )
     };
     let first = read(&texts[0])?;
+    if args.eval_tokens < 2 {
+        return Err("--eval-tokens must be at least 2 (one scored token)".into());
+    }
     if first.len() < args.eval_tokens + args.batch * (args.seq + 1) {
         return Err(format!(
             "{} has {} tokens: too few for {} held-out tokens plus one training step",
@@ -312,6 +400,14 @@ fn read_texts(args: &Args, tok: &Tokenizer) -> Result<(Vec<EvalText>, Vec<u32>),
         let mut ids = read(path)?;
         if args.eval_max_tokens > 0 {
             ids.truncate(args.eval_max_tokens);
+        }
+        if ids.len() < 2 {
+            return Err(format!(
+                "--eval-text {}: {} tokens, need 2 or more",
+                path.display(),
+                ids.len()
+            )
+            .into());
         }
         evals.push(EvalText {
             label: format!("{} (unseen)", name(path)),

@@ -8,6 +8,12 @@
 //! function, because the forward masks again; [`MaskedLinear::apply_mask`] makes the stored
 //! weights match the function before packing.
 //!
+//! Quantization-aware training: [`MaskedLinear::with_quantization`] makes the forward round
+//! the masked weight per output channel and the input per token to an 8-bit precision's grid,
+//! as the packed layer does, with gradients passed straight through the rounding; the
+//! trained layer then computes what its packed INT8/FP8 layer computes, up to f32 summation
+//! order.
+//!
 //! Conversions: [`MaskedLinear::from_linear`] prunes an `nn::Linear` (magnitude or
 //! activation-aware, as the packer does), [`MaskedLinear::to_sparse`] packs the trained layer
 //! into a [`SlideSparseLinear`] for inference (the pattern is checked, nothing is re-pruned).
@@ -24,6 +30,8 @@ use crate::{
     pack::PackOptions,
     pattern::SparsityPattern,
     prune::{PruneMethod, check_pattern, prune},
+    quant::Precision,
+    reference::{quantize_codes, token_scales},
 };
 
 /// A dense linear layer trained under a fixed sparsity mask.
@@ -33,6 +41,10 @@ pub struct MaskedLinear<B: Backend> {
     pub linear: Linear<B>,
     /// `1` where a weight may be nonzero, `0` where it was pruned (`[in, out]`); not trained.
     pub mask: Param<Tensor<B, 2>>,
+    /// The 8-bit precision whose rounding the forward simulates (quantization-aware
+    /// training), or `None` for the f32 function. Not stored in records.
+    #[module(skip)]
+    pub quantization: Option<Precision>,
 }
 
 impl<B: Backend> MaskedLinear<B> {
@@ -63,6 +75,22 @@ impl<B: Backend> MaskedLinear<B> {
                 bias: linear.bias,
             },
             mask: Param::from_tensor(mask).set_require_grad(false),
+            quantization: None,
+        })
+    }
+
+    /// The layer with a forward that simulates `precision`'s quantization (8-bit only: the
+    /// 16-bit precisions round without scales and are not simulated).
+    pub fn with_quantization(self, precision: Precision) -> Result<Self> {
+        if !precision.is_quantized() {
+            return Err(SlideSparseError::Unsupported {
+                what: format!("quantization-aware training with {precision}"),
+                why: "only the 8-bit precisions (int8, fp8) are simulated".into(),
+            });
+        }
+        Ok(Self {
+            quantization: Some(precision),
+            ..self
         })
     }
 
@@ -71,13 +99,35 @@ impl<B: Backend> MaskedLinear<B> {
         self.linear.weight.val() * self.mask.val()
     }
 
-    /// `[..., in] -> [..., out]` with the masked weight.
+    /// `[..., in] -> [..., out]` with the masked weight (rounded as the packed layer rounds
+    /// it when [`Self::quantization`] is set).
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        burn::tensor::module::linear(
-            input,
-            self.effective_weight(),
-            self.linear.bias.as_ref().map(|b| b.val()),
-        )
+        let bias = self.linear.bias.as_ref().map(|b| b.val());
+        let weight = self.effective_weight();
+        let Some(precision) = self.quantization else {
+            return burn::tensor::module::linear(input, weight, bias);
+        };
+        let qmax = precision
+            .qmax()
+            .expect("with_quantization admits 8-bit precisions");
+        let dims = input.dims();
+        let k = dims[D - 1];
+        let rows = input
+            .clone()
+            .reshape([dims[..D - 1].iter().product::<usize>(), k]);
+        let x = straight_through(rows, |x| {
+            let s_x = token_scales(x.clone(), qmax);
+            quantize_codes(x / s_x.clone(), precision) * s_x
+        });
+        let w = straight_through(weight, |w| {
+            // The packer's per-output-channel scale: max |w| / qmax, 1 for an all-zero row.
+            let absmax = w.clone().abs().max_dim(0);
+            let s_w = absmax.clone().mask_fill(absmax.equal_elem(0.0), qmax) / qmax;
+            quantize_codes(w / s_w.clone(), precision) * s_w
+        });
+        let mut out_dims = dims;
+        out_dims[D - 1] = w.dims()[1];
+        burn::tensor::module::linear(x, w, bias).reshape(out_dims)
     }
 
     /// Writes `W ⊙ M` into the weight parameter (same parameter id), so that stored weights
@@ -90,6 +140,7 @@ impl<B: Backend> MaskedLinear<B> {
                 bias: self.linear.bias,
             },
             mask: self.mask,
+            quantization: self.quantization,
         }
     }
 
@@ -129,6 +180,16 @@ impl<B: Backend> MaskedLinear<B> {
         };
         SlideSparseLinear::from_linear(&linear, &options)
     }
+}
+
+/// `rounded(x)` in the forward, the identity in the backward (the straight-through estimator:
+/// rounding has a zero gradient almost everywhere, which would stop training).
+fn straight_through<B: Backend>(
+    x: Tensor<B, 2>,
+    rounded: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let offset = (rounded(x.clone().detach()) - x.clone().detach()).detach();
+    x + offset
 }
 
 /// A parameter with the given id whose tensor requires gradients (a tensor built from data

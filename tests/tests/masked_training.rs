@@ -113,6 +113,7 @@ fn an_optimizer_that_ignores_zero_gradients_is_undone_by_apply_mask() {
             bias: layer.linear.bias.clone(),
         },
         mask: layer.mask.clone(),
+        quantization: None,
     };
     assert!(polluted.check(pattern).is_err());
     // The function already ignores them; apply_mask makes the stored weights agree.
@@ -142,6 +143,76 @@ fn packing_a_fine_tuned_layer_gives_the_masked_layers_outputs() {
         let den: f32 = expected.iter().map(|b| b * b).sum();
         let err = (num / den).sqrt();
         assert!(err < tolerance, "{precision}: rel err {err}");
+    }
+}
+
+fn relative_error(got: &[f32], expected: &[f32]) -> f32 {
+    let num: f32 = got.iter().zip(expected).map(|(a, b)| (a - b).powi(2)).sum();
+    let den: f32 = expected.iter().map(|b| b * b).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn the_quantization_aware_forward_computes_what_the_packed_layer_computes() {
+    let mut seed = 20;
+    for precision in [Precision::Int8, Precision::Fp8] {
+        for pattern in [
+            SparsityPattern::P2_4,
+            SparsityPattern::P6_8,
+            SparsityPattern::P8_10,
+        ] {
+            seed += 1;
+            let trained = train(masked_layer::<Train>(120, 24, pattern), 3, false).valid();
+            let qat = trained.clone().with_quantization(precision).unwrap();
+            // A 3-d input: the per-token scales are taken over the last dimension.
+            let x = Tensor::<Cpu, 3>::from_data(
+                TensorData::new(random_f32(&mut rng(seed), 2 * 3 * 120), [2, 3, 120]),
+                &Default::default(),
+            );
+            let packed = qat
+                .to_sparse(&PackOptions::new(pattern, precision))
+                .unwrap();
+            let expected = values(packed.forward(x.clone()));
+            let got = values(qat.forward(x.clone()));
+            let err = relative_error(&got, &expected);
+            assert!(err < 1e-5, "{pattern} {precision}: rel err {err}");
+            // The rounding is simulated, not skipped: the f32 function differs.
+            let exact = values(trained.forward(x));
+            let gap = relative_error(&exact, &expected);
+            assert!(
+                gap > 20.0 * err.max(1e-7),
+                "{pattern} {precision}: gap {gap}"
+            );
+        }
+    }
+}
+
+#[test]
+fn quantization_aware_training_passes_gradients_through_and_keeps_the_mask() {
+    let pattern = SparsityPattern::P6_8;
+    let layer = masked_layer::<Train>(48, 16, pattern)
+        .with_quantization(Precision::Int8)
+        .unwrap();
+    let before = rows_of(&layer);
+    let trained = train(layer, 20, false);
+    let after = rows_of(&trained);
+    let moved = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, a)| **b != 0.0 && b != a)
+        .count();
+    assert!(moved > before.len() / 4, "only {moved} kept weights moved");
+    trained.check(pattern).unwrap();
+    assert_eq!(trained.quantization, Some(Precision::Int8));
+}
+
+#[test]
+fn only_8_bit_precisions_are_simulated() {
+    for precision in [Precision::Bf16, Precision::F16, Precision::F32] {
+        let err = masked_layer::<Cpu>(16, 4, SparsityPattern::P6_8)
+            .with_quantization(precision)
+            .unwrap_err();
+        assert!(matches!(err, SlideSparseError::Unsupported { .. }), "{err}");
     }
 }
 
