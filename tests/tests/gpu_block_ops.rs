@@ -79,8 +79,9 @@ fn norms_and_gate<B: Backend>(dtype: DType, seed: u64) {
         let got = rms_norm(x.clone(), &gpu_norm).unwrap();
         assert_eq!(got.dtype(), dtype);
         check(&what, dtype, host(got), host(cpu_norm.forward(on_cpu(&x))));
-        let (sum, normed) = add_rms_norm(x.clone(), delta.clone(), &gpu_norm).unwrap();
         let want_sum = on_cpu(&x) + on_cpu(&delta);
+        // Moved, not cloned: on fusion the operation then holds the inputs' last handles.
+        let (sum, normed) = add_rms_norm(x, delta, &gpu_norm).unwrap();
         check(
             &format!("add_{what} (sum)"),
             dtype,
@@ -95,12 +96,13 @@ fn norms_and_gate<B: Backend>(dtype: DType, seed: u64) {
             host(cpu_norm.forward(on_cpu(&sum))),
         );
         let gate_up = tensor::<B, 3>(&values(seed + 3, 2 * n), [1, rows, 2 * width], dtype);
-        let got = silu_mul(gate_up.clone()).unwrap();
+        let want = silu_mul(on_cpu(&gate_up)).unwrap();
+        let got = silu_mul(gate_up).unwrap();
         check(
             &format!("silu_mul {rows}x{width}"),
             dtype,
             host(got),
-            host(silu_mul(on_cpu(&gate_up)).unwrap()),
+            host(want),
         );
     }
 }
@@ -149,8 +151,8 @@ fn rope_attention_steps<B: Backend>(dtype: DType, (hq, hkv, d): (usize, usize, u
             heads,
             scale: None,
         };
-        let got = rope_attention(qkv.clone(), &mut gk, &mut gv, gpu_step).unwrap();
         let want = rope_attention(on_cpu(&qkv), &mut ck, &mut cv, cpu_step).unwrap();
+        let got = rope_attention(qkv, &mut gk, &mut gv, gpu_step).unwrap();
         let what = format!("rope_attention {hq}/{hkv}x{d} start {start} t {t}");
         check(&what, dtype, host(got), host(want));
         start += t;
