@@ -63,6 +63,15 @@ fn train(mut layer: MaskedLinear<Train>, steps: usize, adamw: bool) -> MaskedLin
     layer
 }
 
+/// How many nonzero weights of `before` changed in `after`.
+fn kept_weights_moved(before: &[f32], after: &[f32]) -> usize {
+    before
+        .iter()
+        .zip(after)
+        .filter(|(b, a)| **b != 0.0 && b != a)
+        .count()
+}
+
 #[test]
 fn pruned_weights_stay_exactly_zero_through_optimizer_steps() {
     for pattern in [SparsityPattern::P2_4, SparsityPattern::P6_8] {
@@ -73,11 +82,7 @@ fn pruned_weights_stay_exactly_zero_through_optimizer_steps() {
             let trained = train(layer, 20, adamw);
             let after = rows_of(&trained);
             // The kept weights moved (the test would pass vacuously otherwise) ...
-            let moved = before
-                .iter()
-                .zip(&after)
-                .filter(|(b, a)| **b != 0.0 && b != a)
-                .count();
+            let moved = kept_weights_moved(&before, &after);
             assert!(moved > before.len() / 4, "{pattern}: only {moved} moved");
             // ... and every pruned weight is still exactly zero, so the pattern holds.
             for (i, (b, a)) in before.iter().zip(&after).enumerate() {
@@ -196,11 +201,7 @@ fn quantization_aware_training_passes_gradients_through_and_keeps_the_mask() {
     let before = rows_of(&layer);
     let trained = train(layer, 20, false);
     let after = rows_of(&trained);
-    let moved = before
-        .iter()
-        .zip(&after)
-        .filter(|(b, a)| **b != 0.0 && b != a)
-        .count();
+    let moved = kept_weights_moved(&before, &after);
     assert!(moved > before.len() / 4, "only {moved} kept weights moved");
     trained.check(pattern).unwrap();
     assert_eq!(trained.quantization, Some(Precision::Int8));
