@@ -434,16 +434,13 @@ fn print_table(evals: &[EvalText], table: &[(String, Vec<f64>)]) {
     println!("| stage | {} |", labels.join(" | "));
     println!("|---|{}", "---|".repeat(labels.len()));
     let dense = &table[0].1;
-    for (stage, ppls) in table {
+    for (row, (stage, ppls)) in table.iter().enumerate() {
         let cells: Vec<String> = ppls
             .iter()
             .zip(dense)
-            .map(|(p, d)| {
-                if std::ptr::eq(ppls, dense) {
-                    format!("{p:.3}")
-                } else {
-                    format!("{p:.3} ({:+.1}%)", (p / d - 1.0) * 100.0)
-                }
+            .map(|(p, d)| match row {
+                0 => format!("{p:.3}"),
+                _ => format!("{p:.3} ({:+.1}%)", (p / d - 1.0) * 100.0),
             })
             .collect();
         println!("| {stage} | {} |", cells.join(" | "));

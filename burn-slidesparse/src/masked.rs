@@ -112,9 +112,7 @@ impl<B: Backend> MaskedLinear<B> {
             .expect("with_quantization admits 8-bit precisions");
         let dims = input.dims();
         let k = dims[D - 1];
-        let rows = input
-            .clone()
-            .reshape([dims[..D - 1].iter().product::<usize>(), k]);
+        let rows = input.reshape([dims[..D - 1].iter().product::<usize>(), k]);
         let x = straight_through(rows, |x| {
             let s_x = token_scales(x.clone(), qmax);
             quantize_codes(x / s_x.clone(), precision) * s_x
@@ -188,7 +186,8 @@ fn straight_through<B: Backend>(
     x: Tensor<B, 2>,
     rounded: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>,
 ) -> Tensor<B, 2> {
-    let offset = (rounded(x.clone().detach()) - x.clone().detach()).detach();
+    let constant = x.clone().detach();
+    let offset = (rounded(constant.clone()) - constant).detach();
     x + offset
 }
 
