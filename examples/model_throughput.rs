@@ -79,6 +79,10 @@ struct Args {
     /// Keep q/k/v and gate/up as separate layers (default: fused, one GEMM each).
     #[arg(long)]
     separate: bool,
+    /// Also time every variant with each block step and linear as operations of their own
+    /// (`Llama::composed_steps` off), as the rows `VARIANT/apart`, in the same process.
+    #[arg(long)]
+    compare_apart: bool,
     /// First check a small model's logits on the GPU (both backends, fused and separate,
     /// cached decode) against the CPU reference.
     #[arg(long)]
@@ -518,8 +522,17 @@ fn run<B: SlideSparseBackend>(args: &Args) -> Result<(), Box<dyn std::error::Err
             started.elapsed().as_secs_f64()
         );
         measure(args, vocab, variant, &model, &mut results);
+        if args.compare_apart {
+            model.composed_steps = false;
+            measure(args, vocab, &apart(variant), &model, &mut results);
+        }
     }
-    print_table(args, &results, &variants);
+    let rows: Vec<String> = variants
+        .iter()
+        .flat_map(|v| [Some(v.clone()), args.compare_apart.then(|| apart(v))])
+        .flatten()
+        .collect();
+    print_table(args, &results, &rows);
     if let Some(path) = &args.json {
         let rows: Vec<_> = results
             .iter()
@@ -576,13 +589,29 @@ fn run_random<B: SlideSparseBackend>(
         );
         memory.push((variant.clone(), report));
         measure(args, vocab, variant, &model, &mut results);
+        if args.compare_apart && variant != "head-only" {
+            model.composed_steps = false;
+            measure(args, vocab, &apart(variant), &model, &mut results);
+        }
         drop(model);
         // Give the freed pages back so that the next variant's driver figure is its own.
         release_free_memory(&Default::default());
     }
     print_memory(args, &memory);
-    print_table(args, &results, &variants[1..]);
+    let mut rows = Vec::new();
+    for variant in &variants[1..] {
+        rows.push(variant.clone());
+        if args.compare_apart {
+            rows.push(apart(variant));
+        }
+    }
+    print_table(args, &results, &rows);
     Ok(())
+}
+
+/// The row name of `variant` with its block steps and linears as separate operations.
+fn apart(variant: &str) -> String {
+    format!("{variant}/apart")
 }
 
 /// Reads every float parameter once, which initializes the lazily initialized ones.

@@ -101,6 +101,22 @@ pub trait SlideSparseBackend: Backend {
     /// `Y [M, out] = dequant(quant(X) . W^T) + b` for `X [M, K]`, or an error from the device.
     fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared)
     -> Result<Tensor<Self, 2>>;
+
+    /// The layer's CUDA pipeline where this backend runs it (burn-cuda, plain or under
+    /// fusion), so that an operation of [`block_ops`](crate::add_rms_norm_linear) can run the
+    /// linear inside its own; `None` (the default) where the forward is something else.
+    #[cfg(feature = "cuda")]
+    fn native_linear(_prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+        None
+    }
+
+    /// [`native_linear`](Self::native_linear) of the dense quantized baseline.
+    #[cfg(feature = "cuda")]
+    fn native_dense_linear(
+        _prepared: &Self::DensePrepared,
+    ) -> Option<crate::native_ops::NativeLinear> {
+        None
+    }
 }
 
 /// What a prepared weight depends on: the codes (their id) and the device.

@@ -19,7 +19,9 @@ use burn::{
 
 use crate::{
     attention::{AttentionOptions, causal_attention, qkv_head_dim},
+    backend::SlideSparseBackend,
     error::{Result, SlideSparseError},
+    swap::MaybeSparseLinear,
 };
 
 /// `norm(x)` (burn's `RmsNorm` over the last dimension), as one operation on burn-cuda.
@@ -28,7 +30,7 @@ pub fn rms_norm<B: Backend, const D: usize>(
     norm: &RmsNorm<B>,
 ) -> Result<Tensor<B, D>> {
     #[cfg(feature = "cuda")]
-    let x = match native::rms_norm(x, None, norm) {
+    let x = match native::rms_norm(x, None, norm, None) {
         Ok(out) => return out.map(|(_, normed)| normed),
         Err((x, _)) => x,
     };
@@ -44,7 +46,7 @@ pub fn add_rms_norm<B: Backend, const D: usize>(
     norm: &RmsNorm<B>,
 ) -> Result<(Tensor<B, D>, Tensor<B, D>)> {
     #[cfg(feature = "cuda")]
-    let (x, delta) = match native::rms_norm(x, Some(delta), norm) {
+    let (x, delta) = match native::rms_norm(x, Some(delta), norm, None) {
         Ok(out) => return out.map(|(sum, normed)| (sum.expect("the sum of an add"), normed)),
         Err((x, delta)) => (x, delta.expect("given")),
     };
@@ -65,7 +67,7 @@ pub fn silu_mul<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Result<Ten
         ));
     }
     #[cfg(feature = "cuda")]
-    let gate_up = match native::silu_mul(gate_up) {
+    let gate_up = match native::silu_mul(gate_up, None) {
         Ok(out) => return out,
         Err(gate_up) => gate_up,
     };
@@ -106,7 +108,43 @@ pub fn rope_attention<B: Backend>(
     values: &mut Tensor<B, 4>,
     step: RopeAttention<'_, B>,
 ) -> Result<Tensor<B, 3>> {
-    let [batch, t, width] = qkv.dims();
+    let d = check_rope_attention(qkv.dims(), keys, values, &step)?;
+    #[cfg(feature = "cuda")]
+    let qkv = match native::rope_attention(qkv, keys, values, &step, None) {
+        Ok(out) => return out,
+        Err(qkv) => qkv,
+    };
+    let [batch, t, _] = qkv.dims();
+    let (hq, hkv) = step.heads;
+    let end = step.start + t;
+    let q = qkv.clone().narrow(2, 0, hq * d).reshape([batch, t, hq, d]);
+    let k = qkv
+        .clone()
+        .narrow(2, hq * d, hkv * d)
+        .reshape([batch, t, hkv, d]);
+    let v = qkv
+        .narrow(2, (hq + hkv) * d, hkv * d)
+        .reshape([batch, t, hkv, d]);
+    let table = step.rope.freq_complex.clone().narrow(0, step.start, t);
+    let (q, k) = (rotate(q, &table), rotate(k, &table));
+    let ranges = [0..batch, step.start..end, 0..hkv, 0..d];
+    keys.inplace(|c| c.slice_assign(ranges.clone(), k));
+    values.inplace(|c| c.slice_assign(ranges, v));
+    let options = AttentionOptions {
+        kv_len: Some(end),
+        scale: step.scale,
+    };
+    Ok(causal_attention(q, keys.clone(), values.clone(), options)?.reshape([batch, t, hq * d]))
+}
+
+/// The head dim `d` of a [`rope_attention`] call on `qkv [batch, t, width]`, or the shape
+/// error of its table and caches.
+fn check_rope_attention<B: Backend>(
+    [batch, t, width]: [usize; 3],
+    keys: &Tensor<B, 4>,
+    values: &Tensor<B, 4>,
+    step: &RopeAttention<'_, B>,
+) -> Result<usize> {
     let (hq, hkv) = step.heads;
     let d = qkv_head_dim(width, (hq, hkv))?;
     let [max_len, table_d, _] = step.rope.freq_complex.dims();
@@ -129,29 +167,7 @@ pub fn rope_attention<B: Backend>(
             ),
         ));
     }
-    #[cfg(feature = "cuda")]
-    let qkv = match native::rope_attention(qkv, keys, values, &step) {
-        Ok(out) => return out,
-        Err(qkv) => qkv,
-    };
-    let q = qkv.clone().narrow(2, 0, hq * d).reshape([batch, t, hq, d]);
-    let k = qkv
-        .clone()
-        .narrow(2, hq * d, hkv * d)
-        .reshape([batch, t, hkv, d]);
-    let v = qkv
-        .narrow(2, (hq + hkv) * d, hkv * d)
-        .reshape([batch, t, hkv, d]);
-    let table = step.rope.freq_complex.clone().narrow(0, step.start, t);
-    let (q, k) = (rotate(q, &table), rotate(k, &table));
-    let ranges = [0..batch, step.start..end, 0..hkv, 0..d];
-    keys.inplace(|c| c.slice_assign(ranges.clone(), k));
-    values.inplace(|c| c.slice_assign(ranges, v));
-    let options = AttentionOptions {
-        kv_len: Some(end),
-        scale: step.scale,
-    };
-    Ok(causal_attention(q, keys.clone(), values.clone(), options)?.reshape([batch, t, hq * d]))
+    Ok(d)
 }
 
 /// burn's `RotaryEncoding::apply` of `x [batch, t, heads, d]` with `table [t, d, (cos, sin)]`
@@ -169,6 +185,91 @@ fn rotate<B: Backend>(x: Tensor<B, 4>, table: &Tensor<B, 3>) -> Tensor<B, 4> {
     x * cos + turned * sin
 }
 
+/// `linear(rms_norm(x))`: a norm and the linear that reads it, as **one** operation where
+/// `linear` runs the CUDA pipeline (SlideSparse or quantized on burn-cuda) and the norm
+/// runs there too; otherwise [`rms_norm`] then the linear.
+///
+/// Why: on burn's fusion backend every operation costs the host ~10 us at decode sizes; the
+/// composed forms of this module take a block from eight operations to four.
+pub fn rms_norm_linear<B: SlideSparseBackend, const D: usize>(
+    x: Tensor<B, D>,
+    norm: &RmsNorm<B>,
+    linear: &MaybeSparseLinear<B>,
+) -> Result<Tensor<B, D>> {
+    #[cfg(feature = "cuda")]
+    let x = match native::then(linear)? {
+        Some(then) => match native::rms_norm(x, None, norm, Some(then)) {
+            Ok(out) => return out.map(|(_, y)| y),
+            Err((x, _)) => x,
+        },
+        None => x,
+    };
+    linear.try_forward(rms_norm(x, norm)?)
+}
+
+/// `(x + delta, linear(norm(x + delta)))`: [`add_rms_norm`] and the linear that reads the
+/// norm, as one operation where the linear runs the CUDA pipeline (see
+/// [`rms_norm_linear`]).
+pub fn add_rms_norm_linear<B: SlideSparseBackend, const D: usize>(
+    x: Tensor<B, D>,
+    delta: Tensor<B, D>,
+    norm: &RmsNorm<B>,
+    linear: &MaybeSparseLinear<B>,
+) -> Result<(Tensor<B, D>, Tensor<B, D>)> {
+    #[cfg(feature = "cuda")]
+    let (x, delta) = match native::then(linear)? {
+        Some(then) => match native::rms_norm(x, Some(delta), norm, Some(then)) {
+            Ok(out) => return out.map(|(sum, y)| (sum.expect("the sum of an add"), y)),
+            Err((x, delta)) => (x, delta.expect("given")),
+        },
+        None => (x, delta),
+    };
+    let (sum, normed) = add_rms_norm(x, delta, norm)?;
+    Ok((sum, linear.try_forward(normed)?))
+}
+
+/// `linear(silu(gate) * up)`: [`silu_mul`] and the down projection after it, as one
+/// operation where the linear runs the CUDA pipeline (see [`rms_norm_linear`]).
+pub fn silu_mul_linear<B: SlideSparseBackend, const D: usize>(
+    gate_up: Tensor<B, D>,
+    linear: &MaybeSparseLinear<B>,
+) -> Result<Tensor<B, D>> {
+    #[cfg(feature = "cuda")]
+    let gate_up = match native::then(linear)? {
+        Some(then) if gate_up.dims()[D - 1].is_multiple_of(2) => {
+            match native::silu_mul(gate_up, Some(then)) {
+                Ok(out) => return out,
+                Err(gate_up) => gate_up,
+            }
+        }
+        _ => gate_up,
+    };
+    linear.try_forward(silu_mul(gate_up)?)
+}
+
+/// `linear(rope_attention(..))`: [`rope_attention`] and the output projection after it, as
+/// one operation where the linear runs the CUDA pipeline (see [`rms_norm_linear`]).
+pub fn rope_attention_linear<B: SlideSparseBackend>(
+    qkv: Tensor<B, 3>,
+    keys: &mut Tensor<B, 4>,
+    values: &mut Tensor<B, 4>,
+    step: RopeAttention<'_, B>,
+    linear: &MaybeSparseLinear<B>,
+) -> Result<Tensor<B, 3>> {
+    #[cfg(feature = "cuda")]
+    let qkv = match native::then(linear)? {
+        Some(then) => {
+            check_rope_attention(qkv.dims(), keys, values, &step)?;
+            match native::rope_attention(qkv, keys, values, &step, Some(then)) {
+                Ok(out) => return out,
+                Err(qkv) => qkv,
+            }
+        }
+        None => qkv,
+    };
+    linear.try_forward(rope_attention(qkv, keys, values, step)?)
+}
+
 #[cfg(feature = "cuda")]
 mod native {
     //! burn-cuda's tensors (plain or fused, a checked downcast from the backend's tensor
@@ -182,12 +283,50 @@ mod native {
         tensor::{Tensor, backend::Backend},
     };
 
+    use burn_cubecl::tensor::CubeTensor;
+
     use super::RopeAttention;
     use crate::{
-        cuda::attention as kernels,
+        cuda::{attention as kernels, runtime::Runtime},
         error::Result,
-        native_ops::{NativeTensors, float, is_cuda, run, same_16_bit as sixteen_bit, wrap},
+        native_ops::{
+            NativeLinear, NativeTensors, float, is_cuda, run, same_16_bit as sixteen_bit, wrap,
+        },
     };
+
+    /// A linear the operation runs on its result (its CUDA pipeline and output width).
+    pub struct Then {
+        pub linear: NativeLinear,
+        pub out_features: usize,
+    }
+
+    /// `linear` as the CUDA pipeline an operation can run after its own kernel, if it is one.
+    pub fn then<B: crate::SlideSparseBackend>(
+        linear: &crate::MaybeSparseLinear<B>,
+    ) -> Result<Option<Then>> {
+        let out_features = linear.features().1;
+        Ok(linear.native()?.map(|linear| Then {
+            linear,
+            out_features,
+        }))
+    }
+
+    /// The step's result through `then`'s linear, if any.
+    fn after(then: &Option<NativeLinear>, t: CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
+        match then {
+            Some(linear) => linear.forward(t),
+            None => Ok(t),
+        }
+    }
+
+    /// `shape` with the last dimension `then`'s output width, if any.
+    fn widened(mut shape: burn::tensor::Shape, then: &Option<Then>) -> burn::tensor::Shape {
+        if let Some(then) = then {
+            let last = shape.num_dims() - 1;
+            shape[last] = then.out_features;
+        }
+        shape
+    }
 
     /// `(x + delta if given, the norm)`.
     type Normed<B, const D: usize> = (Option<Tensor<B, D>>, Tensor<B, D>);
@@ -205,6 +344,7 @@ mod native {
         x: Tensor<B, D>,
         delta: Option<Tensor<B, D>>,
         norm: &RmsNorm<B>,
+        then: Option<Then>,
     ) -> std::result::Result<Result<Normed<B, D>>, NormInputs<B, D>> {
         let gamma = norm.gamma.val();
         let mut dtypes = vec![x.dtype(), gamma.dtype()];
@@ -213,10 +353,12 @@ mod native {
             return Err((x, delta));
         }
         let (shape, dtype) = (x.shape(), x.dtype());
-        let outputs = vec![shape; if delta.is_some() { 2 } else { 1 }];
+        let mut outputs = vec![widened(shape.clone(), &then)];
+        outputs.extend(delta.is_some().then_some(shape));
         let mut inputs = vec![float(x), float(gamma)];
         inputs.extend(delta.map(float));
         let eps = norm.epsilon;
+        let then = then.map(|t| t.linear);
         let out = run::<B>(
             "slidesparse_rms_norm",
             inputs,
@@ -227,7 +369,10 @@ mod native {
                 let gamma = t.pop().expect("gamma");
                 let x = t.pop().expect("x");
                 let (sum, normed) = kernels::rms_norm(x, delta, gamma, eps)?;
-                Ok([Some(normed), sum].into_iter().flatten().collect())
+                Ok([Some(after(&then, normed)?), sum]
+                    .into_iter()
+                    .flatten()
+                    .collect())
             },
         );
         Ok(ran::<B>(out).map(|mut outs| {
@@ -238,18 +383,24 @@ mod native {
 
     pub fn silu_mul<B: Backend, const D: usize>(
         x: Tensor<B, D>,
+        then: Option<Then>,
     ) -> std::result::Result<Result<Tensor<B, D>>, Tensor<B, D>> {
         if !is_cuda::<B>() || !sixteen_bit(&[x.dtype()]) {
             return Err(x);
         }
         let (mut shape, dtype) = (x.shape(), x.dtype());
         shape[D - 1] /= 2;
+        let shape = widened(shape, &then);
+        let then = then.map(|t| t.linear);
         let out = run::<B>(
             "slidesparse_silu_mul",
             vec![float(x)],
             vec![shape],
             dtype,
-            |mut t| Ok(vec![kernels::silu_mul(t.pop().expect("one input"))?]),
+            move |mut t| {
+                let product = kernels::silu_mul(t.pop().expect("one input"))?;
+                Ok(vec![after(&then, product)?])
+            },
         );
         Ok(ran::<B>(out).map(|mut outs| wrap(outs.pop().expect("one output"))))
     }
@@ -261,6 +412,7 @@ mod native {
         keys: &Tensor<B, 4>,
         values: &Tensor<B, 4>,
         step: &RopeAttention<'_, B>,
+        then: Option<Then>,
     ) -> std::result::Result<Result<Tensor<B, 3>>, Tensor<B, 3>> {
         let table = &step.rope.freq_complex;
         let dtypes = [qkv.dtype(), table.dtype(), keys.dtype(), values.dtype()];
@@ -277,7 +429,8 @@ mod native {
             float(keys.clone()),
             float(values.clone()),
         ];
-        let out_shape = burn::tensor::Shape::new([batch, t, hq * d]);
+        let out_shape = widened(burn::tensor::Shape::new([batch, t, hq * d]), &then);
+        let then = then.map(|t| t.linear);
         let (start, heads, scale) = (step.start, step.heads, step.scale);
         let out = run::<B>(
             "slidesparse_rope_attention",
@@ -289,9 +442,9 @@ mod native {
                 let keys = t.pop().expect("four inputs");
                 let table = t.pop().expect("four inputs");
                 let qkv = t.pop().expect("four inputs");
-                Ok(vec![kernels::rope_attention(
-                    qkv, table, keys, values, start, heads, scale,
-                )?])
+                let attended =
+                    kernels::rope_attention(qkv, table, keys, values, start, heads, scale)?;
+                Ok(vec![after(&then, attended)?])
             },
         );
         Ok(ran::<B>(out).map(|mut outs| wrap(outs.pop().expect("one output"))))

@@ -181,6 +181,20 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SlideSpars
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn native_linear(prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+        let layer = prepared.native()?.clone();
+        Some(crate::native_ops::NativeLinear::Sparse(layer))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn native_dense_linear(
+        prepared: &Self::DensePrepared,
+    ) -> Option<crate::native_ops::NativeLinear> {
+        let layer = prepared.native()?.clone();
+        Some(crate::native_ops::NativeLinear::Dense(layer))
+    }
+
     type DensePrepared = CubePrepared<Self, native::Dense>;
 
     fn dense_prepare(weights: DenseTensors<Self>) -> Result<Self::DensePrepared> {

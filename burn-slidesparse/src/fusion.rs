@@ -253,4 +253,16 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
         let widths = (prepared.in_features, prepared.out_features);
         queue(x, widths, InnerLayer::Dense(prepared.inner.clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn native_linear(prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+        B::native_linear(&prepared.inner)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn native_dense_linear(
+        prepared: &Self::DensePrepared,
+    ) -> Option<crate::native_ops::NativeLinear> {
+        B::native_dense_linear(&prepared.inner)
+    }
 }

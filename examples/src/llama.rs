@@ -14,7 +14,8 @@ use burn::{
 };
 use burn_slidesparse::{
     MaybeSparseLinear, RopeAttention, SlideSparseBackend, VisitLinears, add_rms_norm,
-    concat_outputs, rms_norm, rope_attention, silu_mul,
+    add_rms_norm_linear, concat_outputs, rms_norm, rms_norm_linear, rope_attention,
+    rope_attention_linear, silu_mul, silu_mul_linear,
 };
 
 /// Model hyper-parameters.
@@ -89,6 +90,7 @@ impl LlamaConfig {
                 .init(device),
             heads: self.heads,
             kv_heads: self.kv_heads,
+            composed_steps: true,
         }
     }
 }
@@ -210,6 +212,11 @@ pub struct Llama<B: Backend> {
     pub rope: RotaryEncoding<B>,
     pub heads: usize,
     pub kv_heads: usize,
+    /// Run each block linear inside the operation of the step before it where the library
+    /// can (`add_rms_norm_linear`, ...; fused projections, no observer): four operations per
+    /// block instead of eight. `false` runs them apart (to measure the difference).
+    #[module(skip)]
+    pub composed_steps: bool,
 }
 
 /// Keys and values of the tokens seen so far, per block: `[batch, capacity, kv_heads,
@@ -299,13 +306,15 @@ pub type Observer<'a, B> = &'a mut dyn FnMut(&str, &Tensor<B, 3>);
 impl<B: SlideSparseBackend> Llama<B> {
     /// Logits `[batch, t, vocab]` for `tokens [batch, t]` following the cached ones.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        self.forward_observed(tokens, cache, &mut |_, _| {})
+        let hidden = self.hidden_states(tokens, cache, None);
+        self.lm_head
+            .forward(rms_norm(hidden, &self.norm).unwrap_or_else(|e| panic!("norm: {e}")))
     }
 
     /// Logits `[batch, vocab]` of the last position only: what generation needs, without
     /// the LM head's cost on every prompt token.
     pub fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
-        let hidden = self.hidden_states(tokens, cache, &mut |_, _| {});
+        let hidden = self.hidden_states(tokens, cache, None);
         let [batch, t, width] = hidden.dims();
         let last = hidden
             .slice([0..batch, t - 1..t, 0..width])
@@ -323,7 +332,7 @@ impl<B: SlideSparseBackend> Llama<B> {
         cache: &mut KvCache<B>,
         observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
-        let hidden = self.hidden_states(tokens, cache, observer);
+        let hidden = self.hidden_states(tokens, cache, Some(observer));
         self.lm_head
             .forward(rms_norm(hidden, &self.norm).unwrap_or_else(|e| panic!("norm: {e}")))
     }
@@ -344,8 +353,12 @@ impl<B: SlideSparseBackend> Llama<B> {
             start: 0,
             capacity: t,
         };
-        let (h, delta) =
-            self.blocks[index].forward((x, None), &mut cache, self.attention_of(), observer);
+        let (h, delta) = self.blocks[index].forward(
+            (x, None),
+            &mut cache,
+            (self.attention_of(), false),
+            Some(observer),
+        );
         h + delta
     }
 
@@ -363,12 +376,13 @@ impl<B: SlideSparseBackend> Llama<B> {
         self.blocks.iter_mut().try_for_each(Block::fuse_projections)
     }
 
-    /// The last block's output `[batch, t, hidden]` (before the final norm).
+    /// The last block's output `[batch, t, hidden]` (before the final norm). Without an
+    /// observer, blocks with fused projections run their composed operations.
     fn hidden_states(
         &self,
         tokens: Tensor<B, 2, Int>,
         cache: &mut KvCache<B>,
-        observer: Observer<'_, B>,
+        mut observer: Option<Observer<'_, B>>,
     ) -> Tensor<B, 3> {
         let start = cache.len;
         let t = tokens.dims()[1];
@@ -381,15 +395,25 @@ impl<B: SlideSparseBackend> Llama<B> {
         // Each block's last output is added by the next block's first norm (one operation).
         let mut stream = (self.embed.forward(tokens), None);
         let capacity = cache.capacity;
+        let observing = observer.is_some();
         for (i, (block, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
-            let mut seen =
-                |layer: &str, input: &Tensor<B, 3>| observer(&format!("layers.{i}.{layer}"), input);
+            let mut seen = |layer: &str, input: &Tensor<B, 3>| {
+                if let Some(observer) = observer.as_mut() {
+                    observer(&format!("layers.{i}.{layer}"), input)
+                }
+            };
             let mut slot = CacheSlot {
                 slot,
                 start,
                 capacity,
             };
-            let (x, delta) = block.forward(stream, &mut slot, self.attention_of(), &mut seen);
+            let seen: Option<Observer<'_, B>> = if observing { Some(&mut seen) } else { None };
+            let (x, delta) = block.forward(
+                stream,
+                &mut slot,
+                (self.attention_of(), self.composed_steps),
+                seen,
+            );
             stream = (x, Some(delta));
         }
         cache.len = start + t;
@@ -456,14 +480,25 @@ impl<B: SlideSparseBackend> Block<B> {
         &self,
         (x, delta): (Tensor<B, 3>, Option<Tensor<B, 3>>),
         cache: &mut CacheSlot<'_, B>,
-        attention: BlockAttention<'_, B>,
-        observer: Observer<'_, B>,
+        (attention, composed): (BlockAttention<'_, B>, bool),
+        observer: Option<Observer<'_, B>>,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let mut unobserved = |_: &str, _: &Tensor<B, 3>| {};
+        let observer: Observer<'_, B> = match (observer, &self.attn_in, &self.mlp_in) {
+            (None, Projections::Fused(qkv), Projections::Fused(gate_up)) if composed => {
+                return self.forward_composed((x, delta), cache, attention, (qkv, gate_up));
+            }
+            (Some(observer), ..) => observer,
+            (None, ..) => &mut unobserved,
+        };
         let (x, a) = match delta {
             Some(delta) => step("norm", add_rms_norm(x, delta, &self.attn_norm)),
             None => (x.clone(), step("norm", rms_norm(x, &self.attn_norm))),
         };
-        let attended = self.attention(a, cache, attention, observer);
+        let qkv = self.qkv(a, observer);
+        let out = self.rope_attention(qkv, cache, attention);
+        observer("o_proj", &out);
+        let attended = self.o.forward(out);
         let (h, m) = step("norm", add_rms_norm(x, attended, &self.mlp_norm));
         let inner = match &self.mlp_in {
             Projections::Fused(gate_up) => {
@@ -478,6 +513,41 @@ impl<B: SlideSparseBackend> Block<B> {
         };
         observer("down_proj", &inner);
         (h, self.down.forward(inner))
+    }
+
+    /// [`forward`](Self::forward) of a block with fused projections, seen by no observer:
+    /// each linear runs inside the operation of the step before it (`add_rms_norm_linear`,
+    /// `rope_attention_linear`, `silu_mul_linear`), four operations per block on burn-cuda
+    /// where the linears are SlideSparse or quantized (decode is bound by the host's cost
+    /// per operation).
+    fn forward_composed(
+        &self,
+        (x, delta): (Tensor<B, 3>, Option<Tensor<B, 3>>),
+        cache: &mut CacheSlot<'_, B>,
+        attention: BlockAttention<'_, B>,
+        (qkv, gate_up): (&MaybeSparseLinear<B>, &MaybeSparseLinear<B>),
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (x, qkv) = match delta {
+            Some(delta) => step(
+                "norm + qkv",
+                add_rms_norm_linear(x, delta, &self.attn_norm, qkv),
+            ),
+            None => (
+                x.clone(),
+                step("norm + qkv", rms_norm_linear(x, &self.attn_norm, qkv)),
+            ),
+        };
+        let [batch, t, _] = qkv.dims();
+        let (keys, values, options) = self.attention_step(batch, t, cache, attention, &qkv);
+        let attended = step(
+            "attention + o",
+            rope_attention_linear(qkv, keys, values, options, &self.o),
+        );
+        let (h, gate_up) = step(
+            "norm + gate_up",
+            add_rms_norm_linear(x, attended, &self.mlp_norm, gate_up),
+        );
+        (h, step("SiLU + down", silu_mul_linear(gate_up, &self.down)))
     }
 
     /// `[q | k | v]` of `x`: the fused layer's output, or the three layers' side by side.
@@ -496,30 +566,43 @@ impl<B: SlideSparseBackend> Block<B> {
         }
     }
 
-    fn attention(
+    /// The cache slots of this call's `t` tokens and the attention step's options.
+    fn attention_step<'c>(
         &self,
-        x: Tensor<B, 3>,
-        cache: &mut CacheSlot<'_, B>,
-        attention: BlockAttention<'_, B>,
-        observer: Observer<'_, B>,
-    ) -> Tensor<B, 3> {
-        let [batch, t, _] = x.dims();
+        batch: usize,
+        t: usize,
+        cache: &'c mut CacheSlot<'_, B>,
+        attention: BlockAttention<'c, B>,
+        qkv: &Tensor<B, 3>,
+    ) -> (
+        &'c mut Tensor<B, 4>,
+        &'c mut Tensor<B, 4>,
+        RopeAttention<'c, B>,
+    ) {
         let (heads, kv_heads) = attention.heads;
-        let qkv = self.qkv(x, observer);
         let hd = qkv.dims()[2] / (heads + 2 * kv_heads);
-        // RoPE on q and k, the cache write and the attention: one operation on burn-cuda
-        // (decode is bound by the host's cost per operation).
         let start = cache.start;
-        let (keys, values) = cache.reserve([batch, t, kv_heads, hd], &qkv);
+        let (keys, values) = cache.reserve([batch, t, kv_heads, hd], qkv);
         let options = RopeAttention {
             rope: attention.rope,
             start,
             heads: attention.heads,
             scale: None,
         };
-        let out = step("attention", rope_attention(qkv, keys, values, options));
-        observer("o_proj", &out);
-        self.o.forward(out)
+        (keys, values, options)
+    }
+
+    /// RoPE on q and k, the cache write and the attention: one operation on burn-cuda
+    /// (decode is bound by the host's cost per operation).
+    fn rope_attention(
+        &self,
+        qkv: Tensor<B, 3>,
+        cache: &mut CacheSlot<'_, B>,
+        attention: BlockAttention<'_, B>,
+    ) -> Tensor<B, 3> {
+        let [batch, t, _] = qkv.dims();
+        let (keys, values, options) = self.attention_step(batch, t, cache, attention, &qkv);
+        step("attention", rope_attention(qkv, keys, values, options))
     }
 }
 

@@ -1,16 +1,19 @@
 //! The block steps of `block_ops` on the CPU (their reference path, the GPU kernels' oracle):
 //! RoPE + cache write + attention against burn's own `RotaryEncoding::apply`, `slice_assign`
 //! and the reference attention; a prompt in one call against the same prompt as a prefix
-//! then decode steps; and the typed errors, which leave the cache unchanged.
+//! then decode steps; the typed errors, which leave the cache unchanged; and the composed
+//! steps (a step and the linear after it) equal to the step then the linear.
 
 use burn::{
     backend::NdArray,
-    nn::{RmsNormConfig, RotaryEncoding, RotaryEncodingConfig},
+    nn::{LinearConfig, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig},
     tensor::{Distribution, Tensor},
 };
 use burn_slidesparse::{
-    AttentionOptions, RopeAttention, SlideSparseError, add_rms_norm, causal_attention_reference,
-    rope_attention, silu_mul,
+    AttentionOptions, MaybeSparseLinear, PackOptions, Precision, QuantizedLinear, RopeAttention,
+    SlideSparseError, SlideSparseLinear, SparsityPattern, add_rms_norm, add_rms_norm_linear,
+    causal_attention_reference, rms_norm, rms_norm_linear, rope_attention, rope_attention_linear,
+    silu_mul, silu_mul_linear,
 };
 
 type Cpu = NdArray;
@@ -157,4 +160,85 @@ fn gated_product_and_norm_follow_burns_modules() {
     let (sum, normed) = add_rms_norm(x.clone(), delta.clone(), &norm).unwrap();
     assert_eq!(max_diff(sum, x.clone() + delta.clone()), 0.0);
     assert_eq!(max_diff(normed, norm.forward(x + delta)), 0.0);
+}
+
+/// A dense, a SlideSparse 6:8 INT8 and a quantized INT8 `k -> n` layer from one random linear.
+fn linears(k: usize, n: usize) -> Vec<MaybeSparseLinear<Cpu>> {
+    let linear = LinearConfig::new(k, n).init::<Cpu>(&Default::default());
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    vec![
+        SlideSparseLinear::from_linear(&linear, &options)
+            .unwrap()
+            .into(),
+        QuantizedLinear::from_linear(&linear, Precision::Int8)
+            .unwrap()
+            .into(),
+        linear.into(),
+    ]
+}
+
+#[test]
+fn composed_steps_are_the_step_then_the_linear() {
+    let (rows, width, out) = (5, 64, 48);
+    let norm = RmsNormConfig::new(width).init::<Cpu>(&Default::default());
+    let rope = rope();
+    for linear in linears(width, out) {
+        let kind = linear.kind();
+        let (x, delta) = (random([1, rows, width]), random([1, rows, width]));
+        let want = linear.forward(rms_norm(x.clone(), &norm).unwrap());
+        let got = rms_norm_linear(x.clone(), &norm, &linear).unwrap();
+        assert_eq!(max_diff(got, want), 0.0, "rms_norm_linear {kind}");
+
+        let (sum, normed) = add_rms_norm(x.clone(), delta.clone(), &norm).unwrap();
+        let (got_sum, got) = add_rms_norm_linear(x, delta, &norm, &linear).unwrap();
+        assert_eq!(
+            max_diff(got_sum, sum),
+            0.0,
+            "add_rms_norm_linear {kind} (sum)"
+        );
+        assert_eq!(
+            max_diff(got, linear.forward(normed)),
+            0.0,
+            "add_rms_norm_linear {kind}"
+        );
+
+        let gate_up = random([1, rows, 2 * width]);
+        let want = linear.forward(silu_mul(gate_up.clone()).unwrap());
+        let got = silu_mul_linear(gate_up, &linear).unwrap();
+        assert_eq!(max_diff(got, want), 0.0, "silu_mul_linear {kind}");
+    }
+    // The attention's output width is HQ * D: a layer that reads it.
+    for linear in linears(HQ * D, out) {
+        let cache = || Tensor::<Cpu, 4>::zeros([2, 12, HKV, D], &Default::default());
+        let (mut k1, mut v1, mut k2, mut v2) = (cache(), cache(), cache(), cache());
+        let qkv = random([2, 6, (HQ + 2 * HKV) * D]);
+        let attended = rope_attention(qkv.clone(), &mut k1, &mut v1, step(&rope, 3)).unwrap();
+        let got = rope_attention_linear(qkv, &mut k2, &mut v2, step(&rope, 3), &linear).unwrap();
+        assert_eq!(
+            max_diff(got, linear.forward(attended)),
+            0.0,
+            "{}",
+            linear.kind()
+        );
+        assert_eq!(max_diff(k1, k2), 0.0);
+        assert_eq!(max_diff(v1, v2), 0.0);
+    }
+}
+
+#[test]
+fn a_composed_step_with_a_misfit_linear_is_an_error() {
+    let norm = RmsNormConfig::new(64).init::<Cpu>(&Default::default());
+    // Sparse and quantized layers of input width 32 after a norm of width 64.
+    for linear in linears(32, 16).into_iter().take(2) {
+        let err = rms_norm_linear(random([1, 3, 64]), &norm, &linear).unwrap_err();
+        assert!(
+            matches!(err, SlideSparseError::ShapeMismatch { .. }),
+            "{err}"
+        );
+        let err = silu_mul_linear(random([1, 3, 128]), &linear).unwrap_err();
+        assert!(
+            matches!(err, SlideSparseError::ShapeMismatch { .. }),
+            "{err}"
+        );
+    }
 }

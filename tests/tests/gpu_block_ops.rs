@@ -3,6 +3,10 @@
 //! fresh random data and the same 16-bit-rounded inputs: bf16 and f16, plain `CubeBackend`
 //! and `Fusion` over it, a prompt then decode steps written into one cache in place.
 //!
+//! The composed forms (`rms_norm_linear`, `add_rms_norm_linear`, `silu_mul_linear`,
+//! `rope_attention_linear`: the step and the linear after it as one operation) must equal the
+//! step then the linear **bit for bit**: the same kernels on the same data.
+//!
 //! Tolerance per element `|gpu - ref| <= tol * (1 + |ref|)`: tol = 2e-2 for bf16, 4e-3 for
 //! f16 (one 16-bit rounding of the output, plus the attention's P rounding). Needs an NVIDIA
 //! GPU of compute capability 8.0+ (`#[ignore]`d; run with `--ignored` on the GPU host).
@@ -11,17 +15,24 @@
 use burn::{
     backend::NdArray,
     module::Param,
-    nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig},
+    nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig},
     tensor::{DType, Tensor, TensorData, backend::Backend},
 };
 use burn_cubecl::CubeBackend;
-use burn_slidesparse::{RopeAttention, add_rms_norm, rms_norm, rope_attention, silu_mul};
+use burn_slidesparse::{
+    MaybeSparseLinear, PackOptions, Precision, QuantizedLinear, RopeAttention, SlideSparseBackend,
+    SlideSparseLinear, SparsityPattern, add_rms_norm, add_rms_norm_linear, rms_norm,
+    rms_norm_linear, rope_attention, rope_attention_linear, silu_mul, silu_mul_linear,
+};
 use cubecl::cuda::CudaRuntime;
 use rand::Rng;
 use slidesparse_tests::rng;
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type Fused = burn_fusion::Fusion<Gpu>;
+/// The backends a model runs in bf16 (its layers' outputs in the backend's float type).
+type Gpu16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
+type Fused16 = burn_fusion::Fusion<Gpu16>;
 type Cpu = NdArray;
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -201,4 +212,126 @@ fn f32_tensors_take_the_reference_path() {
         host(rms_norm(x.clone(), &n).unwrap()),
         host(n.forward(x)),
     );
+}
+
+/// A random `in -> out` layer with bias as SlideSparse 6:8 INT8 and as the dense INT8
+/// baseline, on `B` with `dtype` parameters.
+fn linears<B: SlideSparseBackend>(
+    (k, n): (usize, usize),
+    dtype: DType,
+    seed: u64,
+) -> Vec<(&'static str, MaybeSparseLinear<B>)> {
+    let mut linear: Linear<B> = LinearConfig::new(k, n).init(&Default::default());
+    linear.weight = Param::from_tensor(tensor(&values(seed, n * k), [k, n], dtype));
+    linear.bias = Some(Param::from_tensor(tensor(&values(seed + 1, n), [n], dtype)));
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    vec![
+        (
+            "6:8 INT8",
+            SlideSparseLinear::from_linear(&linear, &options)
+                .unwrap()
+                .into(),
+        ),
+        (
+            "dense INT8",
+            QuantizedLinear::from_linear(&linear, Precision::Int8)
+                .unwrap()
+                .into(),
+        ),
+    ]
+}
+
+fn same_bits<B: Backend, const N: usize>(what: &str, got: Tensor<B, N>, want: Tensor<B, N>) {
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let (got, want) = (host(got), host(want));
+    let differ = got
+        .iter()
+        .zip(&want)
+        .filter(|(g, w)| g.to_bits() != w.to_bits())
+        .count();
+    assert_eq!(
+        differ,
+        0,
+        "{what}: {differ} of {} elements differ",
+        got.len()
+    );
+}
+
+/// Each composed step against the step then the linear, for a SlideSparse and a quantized
+/// linear, at decode and prefill row counts.
+fn composed_norms_and_gate<B: SlideSparseBackend>(dtype: DType, seed: u64) {
+    let (width, out) = (512, 768);
+    for (kind, linear) in linears::<B>((width, out), dtype, seed) {
+        for rows in [1, 5, 64] {
+            let what = format!("{kind}, {rows} rows");
+            let shape = [1, rows, width];
+            let x = tensor::<B, 3>(&values(seed + 2, rows * width), shape, dtype);
+            let delta = tensor::<B, 3>(&values(seed + 3, rows * width), shape, dtype);
+            let n = norm::<B>(&values(seed + 4, width), dtype);
+            let want = linear.forward(rms_norm(x.clone(), &n).unwrap());
+            let got = rms_norm_linear(x.clone(), &n, &linear).unwrap();
+            same_bits(&format!("rms_norm_linear {what}"), got, want);
+
+            let (want_sum, normed) = add_rms_norm(x.clone(), delta.clone(), &n).unwrap();
+            let want = linear.forward(normed);
+            let (sum, got) = add_rms_norm_linear(x, delta, &n, &linear).unwrap();
+            same_bits(&format!("add_rms_norm_linear {what} (sum)"), sum, want_sum);
+            same_bits(&format!("add_rms_norm_linear {what}"), got, want);
+
+            let gate_up = tensor::<B, 3>(
+                &values(seed + 5, 2 * rows * width),
+                [1, rows, 2 * width],
+                dtype,
+            );
+            let want = linear.forward(silu_mul(gate_up.clone()).unwrap());
+            let got = silu_mul_linear(gate_up, &linear).unwrap();
+            same_bits(&format!("silu_mul_linear {what}"), got, want);
+        }
+    }
+}
+
+/// `rope_attention_linear` against `rope_attention` then the linear: a prompt and decode
+/// steps, each into its own cache; outputs and caches equal bit for bit.
+fn composed_rope_attention<B: SlideSparseBackend>(dtype: DType, seed: u64) {
+    let (hq, hkv, d) = (8, 2, 64);
+    let (batch, cap, max_len) = (2, 48, 64);
+    let table = RotaryEncodingConfig::new(max_len, d).init::<Cpu>(&Default::default());
+    let r = rope::<B>(&host(table.freq_complex), max_len, d, dtype);
+    let width = (hq + 2 * hkv) * d;
+    for (kind, linear) in linears::<B>((hq * d, 256), dtype, seed) {
+        let zeros = vec![0.0; batch * cap * hkv * d];
+        let cache = || tensor::<B, 4>(&zeros, [batch, cap, hkv, d], dtype);
+        let (mut k1, mut v1, mut k2, mut v2) = (cache(), cache(), cache(), cache());
+        let mut start = 0;
+        for (i, t) in [30, 1, 1, 3].into_iter().enumerate() {
+            let qkv = tensor::<B, 3>(
+                &values(seed + 10 + i as u64, batch * t * width),
+                [batch, t, width],
+                dtype,
+            );
+            let step = || RopeAttention {
+                rope: &r,
+                start,
+                heads: (hq, hkv),
+                scale: None,
+            };
+            let want =
+                linear.forward(rope_attention(qkv.clone(), &mut k1, &mut v1, step()).unwrap());
+            let got = rope_attention_linear(qkv, &mut k2, &mut v2, step(), &linear).unwrap();
+            let what = format!("rope_attention_linear {kind}, start {start}, t {t}");
+            same_bits(&what, got, want);
+            same_bits(&format!("{what} keys"), k2.clone(), k1.clone());
+            same_bits(&format!("{what} values"), v2.clone(), v1.clone());
+            start += t;
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (compute capability 8.0+)"]
+fn composed_steps_equal_the_step_then_the_linear() {
+    composed_norms_and_gate::<Gpu16>(DType::BF16, 500);
+    composed_norms_and_gate::<Fused16>(DType::BF16, 600);
+    composed_rope_attention::<Gpu16>(DType::BF16, 700);
+    composed_rope_attention::<Fused16>(DType::BF16, 800);
 }
