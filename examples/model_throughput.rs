@@ -6,8 +6,9 @@
 //! every quantized variant, the zero-block model included); activations are bf16.
 //!
 //! The model runs as an inference engine: burn-cuda with fusion (`--backend plain`: without),
-//! q/k/v and gate/up fused into one layer each (`--separate`: not), the attention kernels of
-//! `burn_slidesparse::causal_attention`, a KV cache written in place.
+//! q/k/v and gate/up fused into one layer each (`--separate`: not), each linear run inside the
+//! operation of the block step before it (`--compare-apart` also times them apart), the
+//! attention kernels of `burn_slidesparse::causal_attention`, a KV cache written in place.
 //!
 //! Prefill: one sequence of T tokens, median of `--reps` forwards (fresh KV cache each).
 //! Decode: batch B with `--context` tokens per sequence in the cache (prefilled once),
