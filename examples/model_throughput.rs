@@ -81,7 +81,8 @@ struct Args {
     #[arg(long)]
     separate: bool,
     /// Also time every variant with each block step and linear as operations of their own
-    /// (`Llama::composed_steps` off), as the rows `VARIANT/apart`, in the same process.
+    /// (`Llama::composed_steps` off), as the rows `VARIANT/apart`, in the same process, after
+    /// the composed rows on the same model. Needs fused projections (not `--separate`).
     #[arg(long)]
     compare_apart: bool,
     /// First check a small model's logits on the GPU (both backends, fused and separate,
@@ -362,6 +363,13 @@ fn list(s: &str) -> Vec<usize> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    if args.compare_apart && args.separate {
+        return Err(
+            "--compare-apart times composed steps, which need fused projections: \
+                    drop --separate"
+                .into(),
+        );
+    }
     if args.check {
         check_against_the_cpu::<Gpu>()?;
         check_against_the_cpu::<Plain>()?;

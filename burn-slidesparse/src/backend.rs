@@ -103,15 +103,19 @@ pub trait SlideSparseBackend: Backend {
     -> Result<Tensor<Self, 2>>;
 
     /// The layer's CUDA pipeline where this backend runs it (burn-cuda, plain or under
-    /// fusion), so that an operation of [`block_ops`](crate::add_rms_norm_linear) can run the
-    /// linear inside its own; `None` (the default) where the forward is something else.
+    /// fusion), so that a composed block step ([`add_rms_norm_linear`](crate::add_rms_norm_linear)
+    /// and the like) can run the linear inside its own operation; `None` (the default) where
+    /// the forward is something else. Not for other crates to implement: its type is this
+    /// crate's own.
     #[cfg(feature = "cuda")]
+    #[doc(hidden)]
     fn native_linear(_prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
         None
     }
 
     /// [`native_linear`](Self::native_linear) of the dense quantized baseline.
     #[cfg(feature = "cuda")]
+    #[doc(hidden)]
     fn native_dense_linear(
         _prepared: &Self::DensePrepared,
     ) -> Option<crate::native_ops::NativeLinear> {

@@ -186,8 +186,10 @@ fn rotate<B: Backend>(x: Tensor<B, 4>, table: &Tensor<B, 3>) -> Tensor<B, 4> {
 }
 
 /// `linear(rms_norm(x))`: a norm and the linear that reads it, as **one** operation where
-/// `linear` runs the CUDA pipeline (SlideSparse or quantized on burn-cuda) and the norm
-/// runs there too; otherwise [`rms_norm`] then the linear.
+/// `linear` runs the CUDA pipeline (SlideSparse or quantized on burn-cuda) and the norm has
+/// its kernel (bf16 or f16 tensors, `gamma` of the same dtype); otherwise [`rms_norm`] then
+/// the linear. A linear whose input width is not the norm's is a shape error before anything
+/// runs.
 ///
 /// Why: on burn's fusion backend every operation costs the host ~10 us at decode sizes; the
 /// composed forms of this module take a block from eight operations to four.
@@ -196,9 +198,10 @@ pub fn rms_norm_linear<B: SlideSparseBackend, const D: usize>(
     norm: &RmsNorm<B>,
     linear: &MaybeSparseLinear<B>,
 ) -> Result<Tensor<B, D>> {
+    check_linear_input(linear, x.dims()[D - 1])?;
     #[cfg(feature = "cuda")]
-    let x = match native::then(linear)? {
-        Some(then) => match native::rms_norm(x, None, norm, Some(then)) {
+    let x = match native::linear_after(linear)? {
+        Some(after) => match native::rms_norm(x, None, norm, Some(after)) {
             Ok(out) => return out.map(|(_, y)| y),
             Err((x, _)) => x,
         },
@@ -208,17 +211,18 @@ pub fn rms_norm_linear<B: SlideSparseBackend, const D: usize>(
 }
 
 /// `(x + delta, linear(norm(x + delta)))`: [`add_rms_norm`] and the linear that reads the
-/// norm, as one operation where the linear runs the CUDA pipeline (see
-/// [`rms_norm_linear`]).
+/// norm, as one operation where the linear runs the CUDA pipeline and the norm has its
+/// kernel (see [`rms_norm_linear`]).
 pub fn add_rms_norm_linear<B: SlideSparseBackend, const D: usize>(
     x: Tensor<B, D>,
     delta: Tensor<B, D>,
     norm: &RmsNorm<B>,
     linear: &MaybeSparseLinear<B>,
 ) -> Result<(Tensor<B, D>, Tensor<B, D>)> {
+    check_linear_input(linear, x.dims()[D - 1])?;
     #[cfg(feature = "cuda")]
-    let (x, delta) = match native::then(linear)? {
-        Some(then) => match native::rms_norm(x, Some(delta), norm, Some(then)) {
+    let (x, delta) = match native::linear_after(linear)? {
+        Some(after) => match native::rms_norm(x, Some(delta), norm, Some(after)) {
             Ok(out) => return out.map(|(sum, y)| (sum.expect("the sum of an add"), y)),
             Err((x, delta)) => (x, delta.expect("given")),
         },
@@ -229,26 +233,32 @@ pub fn add_rms_norm_linear<B: SlideSparseBackend, const D: usize>(
 }
 
 /// `linear(silu(gate) * up)`: [`silu_mul`] and the down projection after it, as one
-/// operation where the linear runs the CUDA pipeline (see [`rms_norm_linear`]).
+/// operation where the linear runs the CUDA pipeline and the tensors are bf16 or f16 (see
+/// [`rms_norm_linear`]).
 pub fn silu_mul_linear<B: SlideSparseBackend, const D: usize>(
     gate_up: Tensor<B, D>,
     linear: &MaybeSparseLinear<B>,
 ) -> Result<Tensor<B, D>> {
+    let full = gate_up.dims()[D - 1];
+    if full.is_multiple_of(2) {
+        check_linear_input(linear, full / 2)?;
+    }
     #[cfg(feature = "cuda")]
-    let gate_up = match native::then(linear)? {
-        Some(then) if gate_up.dims()[D - 1].is_multiple_of(2) => {
-            match native::silu_mul(gate_up, Some(then)) {
-                Ok(out) => return out,
-                Err(gate_up) => gate_up,
-            }
-        }
+    let gate_up = match native::linear_after(linear)? {
+        Some(after) if full.is_multiple_of(2) => match native::silu_mul(gate_up, Some(after)) {
+            Ok(out) => return out,
+            Err(gate_up) => gate_up,
+        },
         _ => gate_up,
     };
+    // An odd width is `silu_mul`'s shape error.
     linear.try_forward(silu_mul(gate_up)?)
 }
 
 /// `linear(rope_attention(..))`: [`rope_attention`] and the output projection after it, as
-/// one operation where the linear runs the CUDA pipeline (see [`rms_norm_linear`]).
+/// one operation where the linear runs the CUDA pipeline and the attention step has its
+/// kernels (bf16 or f16, head dim 64 or 128; see [`rms_norm_linear`]). Shape errors, the
+/// linear's included, leave the cache unchanged.
 pub fn rope_attention_linear<B: SlideSparseBackend>(
     qkv: Tensor<B, 3>,
     keys: &mut Tensor<B, 4>,
@@ -256,18 +266,34 @@ pub fn rope_attention_linear<B: SlideSparseBackend>(
     step: RopeAttention<'_, B>,
     linear: &MaybeSparseLinear<B>,
 ) -> Result<Tensor<B, 3>> {
+    let d = check_rope_attention(qkv.dims(), keys, values, &step)?;
+    check_linear_input(linear, step.heads.0 * d)?;
     #[cfg(feature = "cuda")]
-    let qkv = match native::then(linear)? {
-        Some(then) => {
-            check_rope_attention(qkv.dims(), keys, values, &step)?;
-            match native::rope_attention(qkv, keys, values, &step, Some(then)) {
-                Ok(out) => return out,
-                Err(qkv) => qkv,
-            }
-        }
+    let qkv = match native::linear_after(linear)? {
+        Some(after) => match native::rope_attention(qkv, keys, values, &step, Some(after)) {
+            Ok(out) => return out,
+            Err(qkv) => qkv,
+        },
         None => qkv,
     };
     linear.try_forward(rope_attention(qkv, keys, values, step)?)
+}
+
+/// The shape error of a linear that cannot read a step's output of `width` values per row
+/// (checked before queuing: on fusion the linear's own check would only run later).
+fn check_linear_input<B: SlideSparseBackend>(
+    linear: &MaybeSparseLinear<B>,
+    width: usize,
+) -> Result<()> {
+    let (in_features, _) = linear.features();
+    if in_features != width {
+        return Err(SlideSparseError::shape(
+            "the input width of the linear after a block step",
+            in_features,
+            width,
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]
@@ -295,17 +321,20 @@ mod native {
     };
 
     /// A linear the operation runs on its result (its CUDA pipeline and output width).
-    pub struct Then {
+    pub struct LinearAfter {
         pub linear: NativeLinear,
         pub out_features: usize,
     }
 
     /// `linear` as the CUDA pipeline an operation can run after its own kernel, if it is one.
-    pub fn then<B: crate::SlideSparseBackend>(
+    pub fn linear_after<B: crate::SlideSparseBackend>(
         linear: &crate::MaybeSparseLinear<B>,
-    ) -> Result<Option<Then>> {
+    ) -> Result<Option<LinearAfter>> {
+        if !is_cuda::<B>() {
+            return Ok(None);
+        }
         let out_features = linear.features().1;
-        Ok(linear.native()?.map(|linear| Then {
+        Ok(linear.native()?.map(|linear| LinearAfter {
             linear,
             out_features,
         }))
@@ -320,7 +349,7 @@ mod native {
     }
 
     /// `shape` with the last dimension `then`'s output width, if any.
-    fn widened(mut shape: burn::tensor::Shape, then: &Option<Then>) -> burn::tensor::Shape {
+    fn widened(mut shape: burn::tensor::Shape, then: &Option<LinearAfter>) -> burn::tensor::Shape {
         if let Some(then) = then {
             let last = shape.num_dims() - 1;
             shape[last] = then.out_features;
@@ -344,7 +373,7 @@ mod native {
         x: Tensor<B, D>,
         delta: Option<Tensor<B, D>>,
         norm: &RmsNorm<B>,
-        then: Option<Then>,
+        then: Option<LinearAfter>,
     ) -> std::result::Result<Result<Normed<B, D>>, NormInputs<B, D>> {
         let gamma = norm.gamma.val();
         let mut dtypes = vec![x.dtype(), gamma.dtype()];
@@ -383,7 +412,7 @@ mod native {
 
     pub fn silu_mul<B: Backend, const D: usize>(
         x: Tensor<B, D>,
-        then: Option<Then>,
+        then: Option<LinearAfter>,
     ) -> std::result::Result<Result<Tensor<B, D>>, Tensor<B, D>> {
         if !is_cuda::<B>() || !sixteen_bit(&[x.dtype()]) {
             return Err(x);
@@ -412,7 +441,7 @@ mod native {
         keys: &Tensor<B, 4>,
         values: &Tensor<B, 4>,
         step: &RopeAttention<'_, B>,
-        then: Option<Then>,
+        then: Option<LinearAfter>,
     ) -> std::result::Result<Result<Tensor<B, 3>>, Tensor<B, 3>> {
         let table = &step.rope.freq_complex;
         let dtypes = [qkv.dtype(), table.dtype(), keys.dtype(), values.dtype()];

@@ -155,6 +155,17 @@ impl fmt::Debug for KernelOp {
     }
 }
 
+impl KernelOp {
+    /// Whether `outputs` are the tensors this operation declared to fusion (their number,
+    /// shapes and dtypes): what the fused graph after it was built for.
+    fn declared(&self, outputs: &NativeTensors) -> bool {
+        outputs.len() == self.outputs.len()
+            && outputs.iter().zip(&self.outputs).all(|(out, ir)| {
+                out.meta.shape().as_ref() == ir.shape.as_ref() && out.dtype == ir.dtype
+            })
+    }
+}
+
 impl Operation<FusionCubeRuntime<Runtime>> for KernelOp {
     fn execute(
         &self,
@@ -169,13 +180,13 @@ impl Operation<FusionCubeRuntime<Runtime>> for KernelOp {
             .collect();
         let device = inputs[0].device.clone();
         let outputs = match (self.kernel)(inputs) {
-            Ok(outputs) if outputs.len() == self.outputs.len() => outputs,
+            Ok(outputs) if self.declared(&outputs) => outputs,
             result => {
                 let error = result
                     .err()
                     .unwrap_or_else(|| SlideSparseError::Unsupported {
                         what: "fused operation".into(),
-                        why: "returned the wrong number of outputs".into(),
+                        why: "returned outputs of other shapes or dtypes than it declared".into(),
                     });
                 DEFERRED
                     .lock()

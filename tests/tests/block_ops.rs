@@ -226,19 +226,28 @@ fn composed_steps_are_the_step_then_the_linear() {
 }
 
 #[test]
-fn a_composed_step_with_a_misfit_linear_is_an_error() {
+fn a_composed_step_with_a_misfit_linear_is_an_error_that_leaves_the_cache_unchanged() {
     let norm = RmsNormConfig::new(64).init::<Cpu>(&Default::default());
-    // Sparse and quantized layers of input width 32 after a norm of width 64.
-    for linear in linears(32, 16).into_iter().take(2) {
-        let err = rms_norm_linear(random([1, 3, 64]), &norm, &linear).unwrap_err();
+    let rope = rope();
+    let shape_error = |err: SlideSparseError| {
         assert!(
             matches!(err, SlideSparseError::ShapeMismatch { .. }),
             "{err}"
-        );
-        let err = silu_mul_linear(random([1, 3, 128]), &linear).unwrap_err();
-        assert!(
-            matches!(err, SlideSparseError::ShapeMismatch { .. }),
-            "{err}"
-        );
+        )
+    };
+    // Sparse, quantized and dense layers of input width 32: no step here outputs 32 wide.
+    for linear in linears(32, 16) {
+        shape_error(rms_norm_linear(random([1, 3, 64]), &norm, &linear).unwrap_err());
+        let (x, delta) = (random([1, 3, 64]), random([1, 3, 64]));
+        shape_error(add_rms_norm_linear(x, delta, &norm, &linear).unwrap_err());
+        shape_error(silu_mul_linear(random([1, 3, 128]), &linear).unwrap_err());
+        let zeros = || Tensor::<Cpu, 4>::zeros([1, 8, HKV, D], &Default::default());
+        let (mut keys, mut values) = (zeros(), zeros());
+        let qkv = random([1, 2, (HQ + 2 * HKV) * D]);
+        let err = rope_attention_linear(qkv, &mut keys, &mut values, step(&rope, 0), &linear)
+            .unwrap_err();
+        shape_error(err);
+        assert_eq!(max_diff(keys, zeros()), 0.0, "{}", linear.kind());
+        assert_eq!(max_diff(values, zeros()), 0.0, "{}", linear.kind());
     }
 }
