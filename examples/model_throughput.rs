@@ -33,7 +33,7 @@ use burn_slidesparse::{
     SlideSparseBackend, SlideSparseLinear, SparsityPattern, VisitLinears, WeightCodes,
     cuda::{
         CudaBackend, CudaFusionBackend,
-        memory::{MemoryReport, memory_report, release_free_memory},
+        memory::{MemoryReport, graph_report, memory_report, release_free_memory},
     },
     prepare_all, quantize_dense, sparsify,
 };
@@ -602,6 +602,11 @@ fn run_random<B: SlideSparseBackend>(
             model.composed_steps = false;
             measure(args, vocab, &apart(variant), &model, &mut results);
         }
+        // Whether the layers' GEMMs replayed graphs (a failed capture runs directly).
+        eprintln!(
+            "after {variant}: GEMM graphs so far: {}",
+            graph_report(&Default::default())?
+        );
         drop(model);
         // Give the freed pages back so that the next variant's driver figure is its own.
         release_free_memory(&Default::default());

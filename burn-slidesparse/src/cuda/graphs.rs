@@ -94,6 +94,8 @@ pub struct GemmGraphs {
     capture_stream: Option<sys::CUstream>,
     /// Why the last failed capture failed, if one did.
     last_failure: Option<String>,
+    /// How many times the table filled up and every graph was dropped.
+    clears: usize,
 }
 
 impl GemmGraphs {
@@ -110,6 +112,16 @@ impl GemmGraphs {
     /// How many calls have a graph.
     pub fn captured(&self) -> usize {
         self.execs.values().filter(|e| e.is_some()).count()
+    }
+
+    /// How many calls run directly because their capture failed.
+    pub fn failed(&self) -> usize {
+        self.execs.values().filter(|e| e.is_none()).count()
+    }
+
+    /// How many times the table filled up (`MAX_GRAPHS`) and every graph was dropped.
+    pub fn clears(&self) -> usize {
+        self.clears
     }
 
     /// Runs `enqueue` on `stream` through the graph of `key`, captured from `enqueue` on
@@ -178,6 +190,7 @@ impl GemmGraphs {
     fn keep(&mut self, key: GraphKey, exec: Option<sys::CUgraphExec>) {
         if self.execs.len() >= MAX_GRAPHS {
             self.clear();
+            self.clears += 1;
         }
         self.execs.insert(key, exec);
     }

@@ -88,6 +88,13 @@ pub struct MemoryReport {
     pub total: u64,
 }
 
+/// The GEMM graphs `device`'s lanes hold now (see [`GraphReport`](super::ordering::GraphReport)).
+pub fn graph_report(device: &cubecl::cuda::CudaDevice) -> Result<super::ordering::GraphReport> {
+    let state = super::state::device_state(device.index)?;
+    let state = state.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(state.lanes.graph_report())
+}
+
 /// What `device` holds now, after everything queued on burn's stream of this thread has run
 /// (it synchronizes: for reports only).
 pub fn memory_report(device: &cubecl::cuda::CudaDevice) -> Result<MemoryReport> {

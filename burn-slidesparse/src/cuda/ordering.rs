@@ -122,6 +122,54 @@ impl Lanes {
             Entry::Vacant(slot) => Ok(slot.insert(Lane::new(self.device_index)?)),
         }
     }
+
+    /// The GEMM graphs of every lane, summed (for reports).
+    pub fn graph_report(&self) -> GraphReport {
+        let mut report = GraphReport {
+            lanes: self.lanes.len(),
+            ..GraphReport::default()
+        };
+        for graphs in self.lanes.values().map(|lane| &lane.graphs) {
+            report.captured += graphs.captured();
+            report.failed += graphs.failed();
+            report.clears += graphs.clears();
+            if let Some(why) = graphs.last_failure() {
+                report.last_failure = Some(why.to_string());
+            }
+        }
+        report
+    }
+}
+
+/// What a device's lanes hold of captured GEMM graphs: a decode whose calls do not replay
+/// graphs (failed captures run directly, through a host round trip; a table that keeps
+/// filling up recaptures) shows here.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GraphReport {
+    /// Lanes (cubecl streams that ran a forward).
+    pub lanes: usize,
+    /// Calls with a captured graph.
+    pub captured: usize,
+    /// Calls whose capture failed (run directly every time).
+    pub failed: usize,
+    /// Times a lane's table filled up and dropped every graph.
+    pub clears: usize,
+    /// Why a capture failed, if one did.
+    pub last_failure: Option<String>,
+}
+
+impl std::fmt::Display for GraphReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} lanes, {} graphs captured, {} captures failed, {} table clears",
+            self.lanes, self.captured, self.failed, self.clears
+        )?;
+        if let Some(why) = &self.last_failure {
+            write!(f, " (last failure: {why})")?;
+        }
+        Ok(())
+    }
 }
 
 /// Finds the stream cubecl launches on for this thread: one launch of a tiny kernel with the
