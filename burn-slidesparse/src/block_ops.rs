@@ -188,8 +188,8 @@ fn rotate<B: Backend>(x: Tensor<B, 4>, table: &Tensor<B, 3>) -> Tensor<B, 4> {
 /// `linear(rms_norm(x))`: a norm and the linear that reads it, as **one** operation where
 /// `linear` runs the CUDA pipeline (SlideSparse or quantized on burn-cuda) and the norm has
 /// its kernel (bf16 or f16 tensors, `gamma` of the same dtype); otherwise [`rms_norm`] then
-/// the linear. A linear whose input width is not the norm's is a shape error before anything
-/// runs.
+/// the linear. A SlideSparse or quantized linear whose input width is not the norm's is a
+/// shape error before anything runs.
 ///
 /// Why: on burn's fusion backend every operation costs the host ~10 us at decode sizes; the
 /// composed forms of this module take a block from eight operations to four.
@@ -257,8 +257,8 @@ pub fn silu_mul_linear<B: SlideSparseBackend, const D: usize>(
 
 /// `linear(rope_attention(..))`: [`rope_attention`] and the output projection after it, as
 /// one operation where the linear runs the CUDA pipeline and the attention step has its
-/// kernels (bf16 or f16, head dim 64 or 128; see [`rms_norm_linear`]). Shape errors, the
-/// linear's included, leave the cache unchanged.
+/// kernels (bf16 or f16, head dim 64 or 128; see [`rms_norm_linear`]). Shape errors leave
+/// the cache unchanged, a SlideSparse or quantized linear's input width included.
 pub fn rope_attention_linear<B: SlideSparseBackend>(
     qkv: Tensor<B, 3>,
     keys: &mut Tensor<B, 4>,
@@ -279,12 +279,18 @@ pub fn rope_attention_linear<B: SlideSparseBackend>(
     linear.try_forward(rope_attention(qkv, keys, values, step)?)
 }
 
-/// The shape error of a linear that cannot read a step's output of `width` values per row
-/// (checked before queuing: on fusion the linear's own check would only run later).
+/// The shape error of a SlideSparse or quantized linear that cannot read a step's output of
+/// `width` values per row, checked before queuing: on fusion the layer's own check would
+/// only run inside the fused execution. A dense or masked layer is burn's `Linear`, which
+/// checks (and panics) itself, and whose lazily initialized weight may not have its final
+/// shape yet.
 fn check_linear_input<B: SlideSparseBackend>(
     linear: &MaybeSparseLinear<B>,
     width: usize,
 ) -> Result<()> {
+    if linear.sparse().is_none() && linear.quantized().is_none() {
+        return Ok(());
+    }
     let (in_features, _) = linear.features();
     if in_features != width {
         return Err(SlideSparseError::shape(

@@ -141,20 +141,21 @@ impl Lanes {
     }
 }
 
-/// What a device's lanes hold of captured GEMM graphs: a decode whose calls do not replay
-/// graphs (failed captures run directly, through a host round trip; a table that keeps
-/// filling up recaptures) shows here.
+/// What a device's lanes hold of captured GEMM graphs: failed captures (those calls run
+/// directly, through a host round trip, until the next table clear retries them) and a
+/// table that keeps filling up (recaptures) show here; calls that never use graphs (graphs
+/// off, buffers not kept) do not.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GraphReport {
     /// Lanes (cubecl streams that ran a forward).
     pub lanes: usize,
     /// Calls with a captured graph.
     pub captured: usize,
-    /// Calls whose capture failed (run directly every time).
+    /// Calls whose capture failed (run directly).
     pub failed: usize,
     /// Times a lane's table filled up and dropped every graph.
     pub clears: usize,
-    /// Why a capture failed, if one did.
+    /// Why a capture failed on some lane, if one did.
     pub last_failure: Option<String>,
 }
 
