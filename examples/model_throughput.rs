@@ -536,12 +536,7 @@ fn run<B: SlideSparseBackend>(args: &Args) -> Result<(), Box<dyn std::error::Err
             measure(args, vocab, &apart(variant), &model, &mut results);
         }
     }
-    let rows: Vec<String> = variants
-        .iter()
-        .flat_map(|v| [Some(v.clone()), args.compare_apart.then(|| apart(v))])
-        .flatten()
-        .collect();
-    print_table(args, &results, &rows);
+    print_table(args, &results, &rows(args, &variants));
     if let Some(path) = &args.json {
         let rows: Vec<_> = results
             .iter()
@@ -612,15 +607,17 @@ fn run_random<B: SlideSparseBackend>(
         release_free_memory(&Default::default());
     }
     print_memory(args, &memory);
-    let mut rows = Vec::new();
-    for variant in &variants[1..] {
-        rows.push(variant.clone());
-        if args.compare_apart {
-            rows.push(apart(variant));
-        }
-    }
-    print_table(args, &results, &rows);
+    print_table(args, &results, &rows(args, &variants[1..]));
     Ok(())
+}
+
+/// The table's rows: each variant, followed by its `/apart` row under `--compare-apart`.
+fn rows(args: &Args, variants: &[String]) -> Vec<String> {
+    variants
+        .iter()
+        .flat_map(|v| [Some(v.clone()), args.compare_apart.then(|| apart(v))])
+        .flatten()
+        .collect()
 }
 
 /// The row name of `variant` with its block steps and linears as separate operations.

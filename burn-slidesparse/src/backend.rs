@@ -109,7 +109,7 @@ pub trait SlideSparseBackend: Backend {
     /// crate's own.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
-    fn native_linear(_prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+    fn native_linear(_prepared: Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
         None
     }
 
@@ -117,7 +117,7 @@ pub trait SlideSparseBackend: Backend {
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
     fn native_dense_linear(
-        _prepared: &Self::DensePrepared,
+        _prepared: Self::DensePrepared,
     ) -> Option<crate::native_ops::NativeLinear> {
         None
     }

@@ -354,13 +354,18 @@ mod native {
         }
     }
 
-    /// `shape` with the last dimension `then`'s output width, if any.
-    fn widened(mut shape: burn::tensor::Shape, then: &Option<LinearAfter>) -> burn::tensor::Shape {
-        if let Some(then) = then {
+    /// The operation's output shape (`shape` of its own kernel, widened to `then`'s output
+    /// width if any) and the linear its execution runs.
+    fn split(
+        mut shape: burn::tensor::Shape,
+        then: Option<LinearAfter>,
+    ) -> (burn::tensor::Shape, Option<NativeLinear>) {
+        let then = then.map(|then| {
             let last = shape.num_dims() - 1;
             shape[last] = then.out_features;
-        }
-        shape
+            then.linear
+        });
+        (shape, then)
     }
 
     /// `(x + delta if given, the norm)`.
@@ -388,12 +393,12 @@ mod native {
             return Err((x, delta));
         }
         let (shape, dtype) = (x.shape(), x.dtype());
-        let mut outputs = vec![widened(shape.clone(), &then)];
+        let (out_shape, then) = split(shape.clone(), then);
+        let mut outputs = vec![out_shape];
         outputs.extend(delta.is_some().then_some(shape));
         let mut inputs = vec![float(x), float(gamma)];
         inputs.extend(delta.map(float));
         let eps = norm.epsilon;
-        let then = then.map(|t| t.linear);
         let out = run::<B>(
             "slidesparse_rms_norm",
             inputs,
@@ -425,8 +430,7 @@ mod native {
         }
         let (mut shape, dtype) = (x.shape(), x.dtype());
         shape[D - 1] /= 2;
-        let shape = widened(shape, &then);
-        let then = then.map(|t| t.linear);
+        let (shape, then) = split(shape, then);
         let out = run::<B>(
             "slidesparse_silu_mul",
             vec![float(x)],
@@ -464,8 +468,7 @@ mod native {
             float(keys.clone()),
             float(values.clone()),
         ];
-        let out_shape = widened(burn::tensor::Shape::new([batch, t, hq * d]), &then);
-        let then = then.map(|t| t.linear);
+        let (out_shape, then) = split(burn::tensor::Shape::new([batch, t, hq * d]), then);
         let (start, heads, scale) = (step.start, step.heads, step.scale);
         let out = run::<B>(
             "slidesparse_rope_attention",

@@ -182,17 +182,21 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SlideSpars
     }
 
     #[cfg(feature = "cuda")]
-    fn native_linear(prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
-        let layer = prepared.native()?.clone();
-        Some(crate::native_ops::NativeLinear::Sparse(layer))
+    fn native_linear(prepared: Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+        match prepared {
+            CubePrepared::Native(layer) => Some(crate::native_ops::NativeLinear::Sparse(layer)),
+            CubePrepared::Reference(_) => None,
+        }
     }
 
     #[cfg(feature = "cuda")]
     fn native_dense_linear(
-        prepared: &Self::DensePrepared,
+        prepared: Self::DensePrepared,
     ) -> Option<crate::native_ops::NativeLinear> {
-        let layer = prepared.native()?.clone();
-        Some(crate::native_ops::NativeLinear::Dense(layer))
+        match prepared {
+            CubePrepared::Native(layer) => Some(crate::native_ops::NativeLinear::Dense(layer)),
+            CubePrepared::Reference(_) => None,
+        }
     }
 
     type DensePrepared = CubePrepared<Self, native::Dense>;

@@ -255,14 +255,14 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
     }
 
     #[cfg(feature = "cuda")]
-    fn native_linear(prepared: &Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
-        B::native_linear(&prepared.inner)
+    fn native_linear(prepared: Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+        B::native_linear(prepared.inner)
     }
 
     #[cfg(feature = "cuda")]
     fn native_dense_linear(
-        prepared: &Self::DensePrepared,
+        prepared: Self::DensePrepared,
     ) -> Option<crate::native_ops::NativeLinear> {
-        B::native_dense_linear(&prepared.inner)
+        B::native_dense_linear(prepared.inner)
     }
 }

@@ -195,8 +195,8 @@ impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
     #[cfg(feature = "cuda")]
     pub(crate) fn native(&self) -> Result<Option<crate::native_ops::NativeLinear>> {
         Ok(match self {
-            Self::Sparse(layer) => B::native_linear(&layer.prepared()?),
-            Self::Quantized(layer) => B::native_dense_linear(&layer.prepared()?),
+            Self::Sparse(layer) => B::native_linear(layer.prepared()?),
+            Self::Quantized(layer) => B::native_dense_linear(layer.prepared()?),
             Self::Dense(_) | Self::Masked(_) => None,
         })
     }
