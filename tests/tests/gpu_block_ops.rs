@@ -124,12 +124,43 @@ fn rope<B: Backend>(table: &[f32], max_len: usize, d: usize, dtype: DType) -> Ro
     r
 }
 
+/// The same table as a strided view: stored `[max_len, (cos, sin), d]`, seen through
+/// `swap_dims` as `[max_len, d, 2]` (the kernel reads tables where they stand).
+fn strided_rope<B: Backend>(
+    table: &[f32],
+    max_len: usize,
+    d: usize,
+    dtype: DType,
+) -> RotaryEncoding<B> {
+    let mut stored = vec![0.0; table.len()];
+    for p in 0..max_len {
+        for j in 0..d {
+            for c in 0..2 {
+                stored[(p * 2 + c) * d + j] = table[(p * d + j) * 2 + c];
+            }
+        }
+    }
+    let mut r = RotaryEncodingConfig::new(max_len, d).init::<B>(&Default::default());
+    r.freq_complex = tensor::<B, 3>(&stored, [max_len, 2, d], dtype).swap_dims(1, 2);
+    r
+}
+
 /// A prompt of `prompt` tokens then `steps` single-token steps (and one of 3), into one cache
 /// on the GPU and one on the CPU; outputs and the caches compared at every step.
-fn rope_attention_steps<B: Backend>(dtype: DType, (hq, hkv, d): (usize, usize, usize), seed: u64) {
+/// With `strided`, the GPU's RoPE table is a strided view ([`strided_rope`]).
+fn rope_attention_steps<B: Backend>(
+    dtype: DType,
+    (hq, hkv, d): (usize, usize, usize),
+    (seed, strided): (u64, bool),
+) {
     let (batch, prompt, cap, max_len) = (2, 70, 96, 128);
     let cpu_rope = RotaryEncodingConfig::new(max_len, d).init::<Cpu>(&Default::default());
-    let gpu_rope = rope::<B>(&host(cpu_rope.freq_complex.clone()), max_len, d, dtype);
+    let table = host(cpu_rope.freq_complex.clone());
+    let gpu_rope = if strided {
+        strided_rope::<B>(&table, max_len, d, dtype)
+    } else {
+        rope::<B>(&table, max_len, d, dtype)
+    };
     let cpu_rope = rope::<Cpu>(&host(gpu_rope.freq_complex.clone()), max_len, d, DType::F32);
     let zeros = vec![0.0; batch * cap * hkv * d];
     let cache_shape = [batch, cap, hkv, d];
@@ -164,7 +195,7 @@ fn rope_attention_steps<B: Backend>(dtype: DType, (hq, hkv, d): (usize, usize, u
         };
         let want = rope_attention(on_cpu(&qkv), &mut ck, &mut cv, cpu_step).unwrap();
         let got = rope_attention(qkv, &mut gk, &mut gv, gpu_step).unwrap();
-        let what = format!("rope_attention {hq}/{hkv}x{d} start {start} t {t}");
+        let what = format!("rope_attention {hq}/{hkv}x{d} start {start} t {t} strided {strided}");
         check(&what, dtype, host(got), host(want));
         start += t;
         check(
@@ -195,9 +226,12 @@ fn norms_and_gated_product_match_the_reference() {
 #[ignore = "needs an NVIDIA GPU (compute capability 8.0+)"]
 fn rope_cache_write_and_attention_match_the_reference() {
     for (i, dtype) in [DType::BF16, DType::F16].into_iter().enumerate() {
-        rope_attention_steps::<Gpu>(dtype, (32, 8, 128), 200 + i as u64);
-        rope_attention_steps::<Fused>(dtype, (8, 8, 64), 300 + i as u64);
-        rope_attention_steps::<Fused>(dtype, (28, 4, 128), 400 + i as u64);
+        let seed = |base: u64| base + i as u64;
+        rope_attention_steps::<Gpu>(dtype, (32, 8, 128), (seed(200), false));
+        rope_attention_steps::<Fused>(dtype, (8, 8, 64), (seed(300), false));
+        rope_attention_steps::<Fused>(dtype, (28, 4, 128), (seed(400), false));
+        rope_attention_steps::<Gpu>(dtype, (32, 8, 128), (seed(500), true));
+        rope_attention_steps::<Fused>(dtype, (28, 4, 128), (seed(600), true));
     }
 }
 

@@ -75,10 +75,11 @@ __device__ __forceinline__ void silu_mul(const GateParams& p) {
 // Must match `RopeParams` in attention/block.rs (repr(C)).
 struct RopeParams {
     u64 qkv;    // [batch * t, (hq + 2 * hkv) * d]: q heads, k heads, v heads
-    u64 table;  // burn's RotaryEncoding table [max_len, d, (cos, sin)], 16-bit
+    u64 table;  // burn's RotaryEncoding table [max_len, d, (cos, sin)], 16-bit, strided
     u64 q;      // out: [batch, t, hq, d]
     u64 k, v;   // caches [batch, capacity, hkv, d], written at positions start..start + t
     int batch, t, hq, hkv, d, start, capacity;
+    i64 table_strides[3];  // in elements: position, pair index, (cos, sin)
 };
 
 // One CTA per (token, head), one thread per pair (2i, 2i + 1): q and k heads rotated
@@ -92,8 +93,8 @@ __device__ __forceinline__ void rope_cache(const RopeParams& p) {
     const u32 pair = ((const u32*)((const u16*)p.qkv + ((i64)row * heads + h) * p.d))[i];
     u32 value = pair;
     if (h < p.hq + p.hkv) {
-        const u16* cs = (const u16*)p.table + ((i64)pos * p.d + 2 * i) * 2;
-        const float c = from16<BF16>(cs[0]), s = from16<BF16>(cs[1]);
+        const u16* cs = (const u16*)p.table + (i64)pos * p.table_strides[0] + (i64)(2 * i) * p.table_strides[1];
+        const float c = from16<BF16>(cs[0]), s = from16<BF16>(cs[p.table_strides[2]]);
         const float a = from16<BF16>((u16)(pair & 0xffffu)), bb = from16<BF16>((u16)(pair >> 16));
         value = pack2<BF16>(a * c - bb * s, a * s + bb * c);
     }

@@ -56,6 +56,10 @@ struct RopeParams {
     d: i32,
     start: i32,
     capacity: i32,
+    /// The table's strides in elements: it is read where it stands, however it is laid out
+    /// (burn's `RotaryEncoding` builds a strided one, and a copy of all `max_len` rows per
+    /// call cost more than the rest of the step).
+    table_strides: [i64; 3],
 }
 
 type Tensor = CubeTensor<Runtime>;
@@ -282,6 +286,13 @@ impl Call for RopeCall {
     }
 }
 
+/// The strides of the RoPE table `[max_len, d, 2]` (rank checked by `rope_shape`) in
+/// elements, for the kernel to read it where it stands.
+fn table_strides(table: &Tensor) -> [i64; 3] {
+    let s = table.meta.strides();
+    [s[0] as i64, s[1] as i64, s[2] as i64]
+}
+
 /// The sizes of a RoPE + cache + attention call: `(batch, t, head dim, capacity)`, checked.
 fn rope_shape(
     qkv: &Tensor,
@@ -345,7 +356,8 @@ pub fn rope_attention(
     let index = qkv.device.index;
     let kernels = device_kernels(index)?;
     let client = qkv.client.clone();
-    let (qkv, table) = (contiguous(qkv), contiguous(table));
+    let qkv = contiguous(qkv);
+    let table_strides = table_strides(&table);
     let q_len = batch * t * hq * d;
     let q = client.empty(q_len * 2);
     let launch = Launch {
@@ -366,6 +378,7 @@ pub fn rope_attention(
         d: d as i32,
         start: too_large("cache positions", start)?,
         capacity: too_large("cache positions", capacity)?,
+        table_strides,
         ..Default::default()
     };
     let call = RopeCall {
