@@ -302,7 +302,12 @@ fn ordering(client: &Client, index: usize) -> Result<Ordering> {
     }
     let found = match probe_burn_stream(client) {
         Ok(stream) => Ordering::Stream(stream as usize),
-        Err(why) => Ordering::Host(create_stream()? as usize, why.to_string()),
+        Err(why) => {
+            // The stream is the device context's; this thread (a fusion executor, say) may
+            // not have that context current yet.
+            device_kernels(index)?.context.make_current()?;
+            Ordering::Host(create_stream()? as usize, why.to_string())
+        }
     };
     all.insert(key, found.clone());
     Ok(found)
