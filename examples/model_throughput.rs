@@ -33,6 +33,7 @@ use burn_slidesparse::{
     SlideSparseBackend, SlideSparseLinear, SparsityPattern, VisitLinears, WeightCodes,
     cuda::{
         CudaBackend, CudaFusionBackend,
+        driver::profiler_range,
         memory::{MemoryReport, graph_report, memory_report, release_free_memory},
     },
     prepare_all, quantize_dense, sparsify,
@@ -95,6 +96,12 @@ struct Args {
     /// full depth), and its GPU memory after preparation is reported.
     #[arg(long, default_value = "pack")]
     weights: String,
+    /// After timing each decode batch, run one more step inside a profiler range
+    /// (`cuProfilerStart` / `cuProfilerStop`): `ncu --profile-from-start off` then records
+    /// the kernels of exactly one decode step per variant and batch (not of the zero-block
+    /// model).
+    #[arg(long)]
+    profile_decode: bool,
     /// The LM head of the quantized variants: `bf16` (as the embeddings) or `int8` (a dense
     /// INT8 layer, as the block linears of the dense INT8 baseline). Untied heads only.
     #[arg(long, default_value = "bf16")]
@@ -314,10 +321,11 @@ fn prefill_ms<B: SlideSparseBackend>(model: &Llama<B>, t: usize, vocab: usize, r
 /// the context is prefilled once, then each run decodes `steps` tokens back to back (one
 /// device sync at the end) and rewinds the cache to the context. Also the host's ms per step
 /// (the time to queue a step when the device is idle, from a run that syncs every step).
+/// With `profile`, one more step runs inside a profiler range.
 fn decode_ms<B: SlideSparseBackend>(
     model: &Llama<B>,
     (b, context): (usize, usize),
-    steps: usize,
+    (steps, profile): (usize, bool),
     vocab: usize,
     reps: usize,
 ) -> (f64, f64) {
@@ -354,6 +362,14 @@ fn decode_ms<B: SlideSparseBackend>(
     run(false);
     let device_ms = median((0..reps).map(|_| run(false)).collect());
     let host_ms = median((0..reps.min(3)).map(|_| run(true)).collect());
+    if profile {
+        cache.truncate(context);
+        profiler_range(0, || {
+            let _ = model.forward_last(step_tokens[0].clone(), &mut cache);
+            B::sync(&device).unwrap();
+        })
+        .expect("profiler range");
+    }
     (device_ms, host_ms)
 }
 
@@ -484,11 +500,17 @@ fn measure<B: SlideSparseBackend>(
         results.insert((name.into(), format!("prefill {t}")), ms);
     }
     for &b in &list(&args.decode_batch) {
-        let (ms, host) = decode_ms(model, (b, args.context), args.steps, vocab, args.reps);
+        // The zero-block model's step is not profiled: each profile holds one variant's step.
+        let steps = (args.steps, args.profile_decode && name != "head-only");
+        let (ms, host) = decode_ms(model, (b, args.context), steps, vocab, args.reps);
         eprintln!(
             "{name}: decode batch {b}: {ms:.3} ms/step ({:.0} tok/s), host {host:.3} ms/step",
             b as f64 / ms * 1e3
         );
+        // How the layers' GEMM calls ran (counts over every layer and workload so far).
+        let report = graph_report(&Default::default())
+            .map_or_else(|e| format!("unavailable: {e}"), |r| r.to_string());
+        eprintln!("{name}: decode batch {b}: GEMM graphs and calls so far: {report}");
         results.insert((name.into(), format!("decode {b}")), ms);
         results.insert((name.into(), format!("host {b}")), host);
     }

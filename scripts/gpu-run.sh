@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model] [extra args...]
-# (`model` runs the model_throughput example; `quant` the quant+lift layouts alone; `host` the
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model|profile] [extra args...]
+# (`model` runs the model_throughput example; `profile` runs it under Nsight Compute with
+# `--profile-decode` and sums the kernels of each profiled decode step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
 # and device time; `all` runs
 # tests, gemm and layer.)
@@ -49,6 +50,14 @@ for mode in gemm layer quant host decode fusion attention; do
     cat "$OUT/$mode.md"
   fi
 done
+if [ "$what" = profile ]; then
+  ncu --profile-from-start off --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --csv --print-units base \
+    ./gpu-bin/model_throughput --profile-decode "$@" > "$OUT/profile.csv" 2> "$OUT/profile.err"
+  echo "profile exit code: $?"
+  tail -3 "$OUT/profile.err"
+  python3 scripts/ncu-kernel-summary.py "$OUT/profile.csv"
+fi
 if [ "$what" = model ]; then
   ./gpu-bin/model_throughput --json "$OUT/model.json" "$@" > "$OUT/model.md" 2> "$OUT/model.err"
   echo "model throughput exit code: $?"

@@ -96,6 +96,9 @@ pub struct GemmGraphs {
     last_failure: Option<String>,
     /// How many times the table filled up and every graph was dropped.
     clears: usize,
+    /// The nodes (kernels, memsets) of every graph captured, summed: a graph's launch costs
+    /// the device thread more the more nodes it has.
+    nodes: usize,
 }
 
 impl GemmGraphs {
@@ -122,6 +125,11 @@ impl GemmGraphs {
     /// How many times the table filled up (`MAX_GRAPHS`) and every graph was dropped.
     pub fn clears(&self) -> usize {
         self.clears
+    }
+
+    /// The nodes of every graph captured so far (since the last clear), summed.
+    pub fn nodes(&self) -> usize {
+        self.nodes
     }
 
     /// Runs `enqueue` on `stream` through the graph of `key`, captured from `enqueue` on
@@ -179,6 +187,15 @@ impl GemmGraphs {
             unsafe { cu::stream::end_capture(stream) }.map_err(driver_err("cuStreamEndCapture"));
         enqueued?;
         let graph = graph?;
+        let mut nodes = 0usize;
+        // SAFETY: a live graph; a null node array asks for the count alone. The count only
+        // feeds reports, so a failure here leaves it out rather than failing the capture.
+        if unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) }
+            .result()
+            .is_ok()
+        {
+            self.nodes += nodes;
+        }
         // SAFETY: `graph` was just captured; it is destroyed once instantiated.
         let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
             .map_err(driver_err("cuGraphInstantiate"));
@@ -201,6 +218,7 @@ impl GemmGraphs {
     /// queued before it has run: on cubecl's device thread (a capture in `Stream` mode) or
     /// after a sync of burn's stream (`Host` mode).
     fn clear(&mut self) {
+        self.nodes = 0;
         for exec in self.execs.drain().filter_map(|(_, exec)| exec) {
             // SAFETY: each exec is live and destroyed once.
             let _ = unsafe { cu::graph::exec_destroy(exec) };

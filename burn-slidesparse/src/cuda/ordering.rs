@@ -52,6 +52,25 @@ pub struct Lane {
     /// burn's stream on this thread (as an integer), or why it could not be found; probed on
     /// the first `Stream`-mode GEMM.
     burn_stream: Option<std::result::Result<usize, String>>,
+    /// How this lane's GEMM calls ran, for reports.
+    calls: CallCounts,
+}
+
+/// How a lane's GEMM calls ran: the ways differ by an order of magnitude in host time at
+/// decode (a queued replay costs the caller ~3 us, a blocking call ~15-25 us), so a model
+/// that is slower than its layers predict shows which way its calls took here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Replays of a captured graph queued on cubecl's device thread without waiting.
+    pub queued: usize,
+    /// Calls the caller waited for on cubecl's device thread, with a graph key (a replay
+    /// while graphs are blocking, or the call that captures a graph).
+    pub blocking_keyed: usize,
+    /// Calls the caller waited for without a graph key (graphs off, or buffers not kept:
+    /// a prompt-sized forward).
+    pub blocking_unkeyed: usize,
+    /// Calls ordered by host synchronization (`SyncMode::Host`).
+    pub host_synced: usize,
 }
 
 impl Lane {
@@ -63,6 +82,7 @@ impl Lane {
             graphs: GemmGraphs::default(),
             launcher: GraphLauncher::new(device_index),
             burn_stream: None,
+            calls: CallCounts::default(),
         })
     }
 
@@ -129,10 +149,16 @@ impl Lanes {
             lanes: self.lanes.len(),
             ..GraphReport::default()
         };
-        for graphs in self.lanes.values().map(|lane| &lane.graphs) {
+        for lane in self.lanes.values() {
+            let (graphs, calls) = (&lane.graphs, lane.calls);
+            report.calls.queued += calls.queued;
+            report.calls.blocking_keyed += calls.blocking_keyed;
+            report.calls.blocking_unkeyed += calls.blocking_unkeyed;
+            report.calls.host_synced += calls.host_synced;
             report.captured += graphs.captured();
             report.failed += graphs.failed();
             report.clears += graphs.clears();
+            report.nodes += graphs.nodes();
             if let Some(why) = graphs.last_failure() {
                 report.last_failure = Some(why.to_string());
             }
@@ -141,30 +167,44 @@ impl Lanes {
     }
 }
 
-/// What a device's lanes hold of captured GEMM graphs: failed captures (those calls run
-/// directly, through a host round trip, until the next table clear retries them) and a
-/// table that keeps filling up (recaptures) show here; calls that never use graphs (graphs
-/// off, buffers not kept) do not.
+/// What a device's lanes hold of captured GEMM graphs, and how their GEMM calls ran: failed
+/// captures (those calls run directly, through a host round trip, until the next table
+/// clear retries them), a table that keeps filling up (recaptures), and calls that never
+/// use graphs (graphs off, buffers not kept) show here.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GraphReport {
     /// Lanes (cubecl streams that ran a forward).
     pub lanes: usize,
     /// Calls with a captured graph.
     pub captured: usize,
+    /// The nodes of those graphs, summed.
+    pub nodes: usize,
     /// Calls whose capture failed (run directly).
     pub failed: usize,
     /// Times a lane's table filled up and dropped every graph.
     pub clears: usize,
     /// Why a capture failed on some lane, if one did.
     pub last_failure: Option<String>,
+    /// How the GEMM calls of every lane ran, summed.
+    pub calls: CallCounts,
 }
 
 impl std::fmt::Display for GraphReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} lanes, {} graphs captured, {} captures failed, {} table clears",
-            self.lanes, self.captured, self.failed, self.clears
+            "{} lanes, {} graphs captured ({} nodes), {} captures failed, {} table clears; GEMM \
+             calls: {} queued, {} blocking with a graph key, {} blocking without, {} \
+             host-synchronized",
+            self.lanes,
+            self.captured,
+            self.nodes,
+            self.failed,
+            self.clears,
+            self.calls.queued,
+            self.calls.blocking_keyed,
+            self.calls.blocking_unkeyed,
+            self.calls.host_synced
         )?;
         if let Some(why) = &self.last_failure {
             write!(f, " (last failure: {why})")?;
@@ -227,10 +267,17 @@ pub fn run_ordered(
                 lane.launcher
                     .queue(exec, burn_stream, (poison_ptr, poison.1))
             };
+            lane.calls.queued += 1;
             return Ok(());
         }
     }
     let graph = replay.key;
+    let counter = match (burn_stream, graph) {
+        (None, _) => &mut lane.calls.host_synced,
+        (Some(_), Some(_)) => &mut lane.calls.blocking_keyed,
+        (Some(_), None) => &mut lane.calls.blocking_unkeyed,
+    };
+    *counter += 1;
     let graphs = &mut lane.graphs;
     let call = move |stream: sys::CUstream| match graph {
         // SAFETY: the key holds every pointer of the call (the caller's contract); the
