@@ -98,8 +98,8 @@ struct Args {
     weights: String,
     /// After timing each decode batch, run one more step inside a profiler range
     /// (`cuProfilerStart` / `cuProfilerStop`): `ncu --profile-from-start off` then records
-    /// the kernels of exactly one decode step per variant and batch (not of the zero-block
-    /// model).
+    /// the kernels of exactly one decode step (not of the zero-block model). Takes one
+    /// variant and one decode batch, so that the profile holds one step.
     #[arg(long)]
     profile_decode: bool,
     /// The LM head of the quantized variants: `bf16` (as the embeddings) or `int8` (a dense
@@ -385,6 +385,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     drop --separate"
                 .into(),
         );
+    }
+    if args.profile_decode {
+        let one = |n: usize| n == 1;
+        if !one(args.variants.split(',').count())
+            || !one(list(&args.decode_batch).len())
+            || args.compare_apart
+            || args.steps == 0
+        {
+            return Err(
+                "--profile-decode profiles one decode step: give one --variants, one \
+                        --decode-batch, --steps >= 1 and no --compare-apart"
+                    .into(),
+            );
+        }
     }
     if args.check {
         check_against_the_cpu::<Gpu>()?;

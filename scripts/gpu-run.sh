@@ -3,7 +3,7 @@
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
 #   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model|profile] [extra args...]
 # (`model` runs the model_throughput example; `profile` runs it under Nsight Compute with
-# `--profile-decode` and sums the kernels of each profiled decode step; `quant` the quant+lift layouts alone; `host` the
+# `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
 # and device time; `all` runs
 # tests, gemm and layer.)

@@ -1,16 +1,21 @@
 """Sums the kernel durations of an Nsight Compute CSV (`--metrics gpu__time_duration.sum --csv
---print-units base`, durations in ns): the total and the kernels by name, largest first."""
+--print-units base`, durations in ns): the total and the kernels by name, largest first.
+Everything the CSV holds is summed: profile one step (`model_throughput --profile-decode`
+takes one variant and one decode batch)."""
 import collections
 import csv
 import re
 import sys
 
 lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
-rows = [
-    (r["Kernel Name"], float(r["Metric Value"].replace(",", "")))
-    for r in csv.DictReader(lines)
-    if r.get("Metric Name") == "gpu__time_duration.sum"
-]
+rows = []
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") != "gpu__time_duration.sum":
+        continue
+    try:
+        rows.append((r["Kernel Name"], float(r["Metric Value"].replace(",", ""))))
+    except ValueError:
+        sys.exit(f"kernel {r['ID']} ({r['Kernel Name'][:60]}): no duration ({r['Metric Value']!r})")
 if not rows:
     sys.exit("no kernel durations in " + sys.argv[1])
 print(f"kernels {len(rows)}  device total {sum(v for _, v in rows) / 1e6:.3f} ms")

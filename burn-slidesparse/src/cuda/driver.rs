@@ -69,7 +69,9 @@ impl Context {
 /// attached both calls do nothing. `f` should end with a device sync so that its kernels
 /// run inside the range.
 pub fn profiler_range<T>(index: usize, f: impl FnOnce() -> T) -> Result<T> {
-    let context = Context::retain(cuda_device(index)?)?;
+    let state = super::state::device_state(index)?;
+    let context = state.lock().unwrap_or_else(|e| e.into_inner()).context;
+    context.make_current()?;
     // SAFETY: a current context (made so above); no arguments.
     unsafe { sys::cuProfilerStart() }
         .result()

@@ -96,8 +96,8 @@ pub struct GemmGraphs {
     last_failure: Option<String>,
     /// How many times the table filled up and every graph was dropped.
     clears: usize,
-    /// The nodes (kernels, memsets) of every graph captured, summed: a graph's launch costs
-    /// the device thread more the more nodes it has.
+    /// The nodes (kernels, memsets) of every graph in `execs`, summed: a graph's launch
+    /// costs the device thread more the more nodes it has.
     nodes: usize,
 }
 
@@ -149,8 +149,9 @@ impl GemmGraphs {
             Some(None) => return enqueue(stream),
             // SAFETY: the caller's contract covers the capture's call as well.
             None => match unsafe { self.capture(&mut enqueue) } {
-                Ok(exec) => {
+                Ok((exec, nodes)) => {
                     self.keep(key, Some(exec));
+                    self.nodes += nodes;
                     exec
                 }
                 Err(why) => {
@@ -164,11 +165,12 @@ impl GemmGraphs {
         unsafe { cu::graph::launch(exec, stream) }.map_err(driver_err("cuGraphLaunch"))
     }
 
-    /// Captures one `enqueue` into an executable graph.
+    /// Captures one `enqueue` into an executable graph; also its node count (0 if the
+    /// driver would not say).
     unsafe fn capture(
         &mut self,
         enqueue: &mut impl FnMut(sys::CUstream) -> Result<()>,
-    ) -> Result<sys::CUgraphExec> {
+    ) -> Result<(sys::CUgraphExec, usize)> {
         let stream = match self.capture_stream {
             Some(s) => s,
             None => {
@@ -192,16 +194,16 @@ impl GemmGraphs {
         // feeds reports, so a failure here leaves it out rather than failing the capture.
         if unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) }
             .result()
-            .is_ok()
+            .is_err()
         {
-            self.nodes += nodes;
+            nodes = 0;
         }
         // SAFETY: `graph` was just captured; it is destroyed once instantiated.
         let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
             .map_err(driver_err("cuGraphInstantiate"));
         // SAFETY: as above.
         unsafe { cu::graph::destroy(graph) }.map_err(driver_err("cuGraphDestroy"))?;
-        exec
+        Ok((exec?, nodes))
     }
 
     fn keep(&mut self, key: GraphKey, exec: Option<sys::CUgraphExec>) {

@@ -88,8 +88,8 @@ pub struct MemoryReport {
     pub total: u64,
 }
 
-/// The GEMM graphs `device`'s lanes hold now, over every layer run so far (see
-/// [`GraphReport`](super::ordering::GraphReport)). On fusion, sync first: a queued forward
+/// The GEMM graphs `device`'s lanes hold now and how their GEMM calls ran, over every
+/// layer run so far (see [`GraphReport`](super::ordering::GraphReport)). On fusion, sync first: a queued forward
 /// has not captured its graph yet.
 pub fn graph_report(device: &cubecl::cuda::CudaDevice) -> Result<super::ordering::GraphReport> {
     let state = super::state::device_state(device.index)?;
