@@ -78,15 +78,29 @@ fn norm<B: Backend>(gamma: &[f32], dtype: DType) -> RmsNorm<B> {
     n
 }
 
+/// Rows of `width` values; `offset`: `x` is a view that starts `offset` elements into its
+/// buffer. The norm kernel's vector path takes widths that are multiples of 8 up to 8192
+/// with 16-byte aligned rows; 1001, 9216 and the offset view take its scalar path.
 fn norms_and_gate<B: Backend>(dtype: DType, seed: u64) {
-    for (rows, width) in [(1, 4096), (3, 3584), (70, 576), (5, 1000)] {
+    let cases = [
+        (1, 4096, 0),
+        (3, 3584, 0),
+        (70, 576, 0),
+        (5, 1000, 0),
+        (2, 1001, 0),
+        (1, 9216, 0),
+        (3, 3584, 1),
+    ];
+    for (rows, width, offset) in cases {
         let shape = [1, rows, width];
         let n = rows * width;
-        let x = tensor::<B, 3>(&values(seed, n), shape, dtype);
+        let x = tensor::<B, 1>(&values(seed, offset + n), [offset + n], dtype)
+            .narrow(0, offset, n)
+            .reshape(shape);
         let delta = tensor::<B, 3>(&values(seed + 1, n), shape, dtype);
         let gpu_norm = norm::<B>(&values(seed + 2, width), dtype);
         let cpu_norm = norm::<Cpu>(&host(gpu_norm.gamma.val()), DType::F32);
-        let what = format!("rms_norm {rows}x{width}");
+        let what = format!("rms_norm {rows}x{width} offset {offset}");
         let got = rms_norm(x.clone(), &gpu_norm).unwrap();
         assert_eq!(got.dtype(), dtype);
         check(&what, dtype, host(got), host(cpu_norm.forward(on_cpu(&x))));

@@ -20,10 +20,62 @@ struct NormParams {
     float eps;
 };
 
-#define NORM_THREADS 1024
+#define NORM_THREADS 256
+// 8-element (16-byte) chunks of a row each thread keeps in registers on the vector path:
+// rows up to 8 * NORM_CHUNKS * NORM_THREADS = 8192 values (Llama's 4096, Qwen's 3584).
+#define NORM_CHUNKS 4
+
+// Eight 16-bit values in one 16-byte load or store, as four pairs (low half first, as
+// `pack2` packs them).
+struct __align__(16) Vec8 {
+    u32 v[4];
+};
+
+template <bool BF16>
+__device__ __forceinline__ float lo16(u32 v) { return from16<BF16>((u16)(v & 0xffffu)); }
+template <bool BF16>
+__device__ __forceinline__ float hi16(u32 v) { return from16<BF16>((u16)(v >> 16)); }
+
+// a + b per element, rounded to 16 bits (the residual stream the model keeps).
+template <bool BF16>
+__device__ __forceinline__ Vec8 add8(Vec8 a, Vec8 b) {
+    Vec8 r;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        r.v[k] = pack2<BF16>(lo16<BF16>(a.v[k]) + lo16<BF16>(b.v[k]), hi16<BF16>(a.v[k]) + hi16<BF16>(b.v[k]));
+    return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float sum_squares8(Vec8 a) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float lo = lo16<BF16>(a.v[k]), hi = hi16<BF16>(a.v[k]);
+        s += lo * lo + hi * hi;
+    }
+    return s;
+}
+
+// h * r * gamma per element, one rounding each.
+template <bool BF16>
+__device__ __forceinline__ Vec8 scale8(Vec8 h, Vec8 gamma, float r) {
+    Vec8 out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        out.v[k] = pack2<BF16>(lo16<BF16>(h.v[k]) * r * lo16<BF16>(gamma.v[k]),
+                               hi16<BF16>(h.v[k]) * r * hi16<BF16>(gamma.v[k]));
+    return out;
+}
 
 // One CTA per row: h = x + delta (rounded to 16 bits: the residual stream the model keeps),
 // out = h * rsqrt(mean(h^2) + eps) * gamma.
+//
+// Vector path (width a multiple of 8 up to 8192, 16-byte aligned rows): each thread loads
+// whole 16-byte chunks of x, delta and gamma up front and keeps h and gamma in registers
+// across the reduction, so the row costs one round trip to memory before the reduction and
+// none after it. A decode step runs this on one row per norm, where those round trips and
+// the reduction's barriers are the kernel's time. Other rows take the scalar path.
 template <bool BF16>
 __device__ __forceinline__ void rms_norm(const NormParams& p) {
     __shared__ float red[NORM_THREADS / 32];
@@ -31,23 +83,51 @@ __device__ __forceinline__ void rms_norm(const NormParams& p) {
     const u16* x = (const u16*)p.x + row * p.width;
     const u16* delta = p.delta ? (const u16*)p.delta + row * p.width : nullptr;
     u16* sum = p.delta ? (u16*)p.sum + row * p.width : nullptr;
+    const u16* gamma = (const u16*)p.gamma;
+    u16* out = (u16*)p.out + row * p.width;
+    const u64 addresses = (u64)x | (u64)delta | (u64)sum | (u64)gamma | (u64)out;
+    if (p.width % 8 == 0 && p.width <= 8 * NORM_CHUNKS * NORM_THREADS && (addresses & 15) == 0) {
+        const int chunks = p.width / 8;
+        Vec8 h[NORM_CHUNKS], g[NORM_CHUNKS];
+        float ss = 0.f;
+#pragma unroll
+        for (int c = 0; c < NORM_CHUNKS; ++c) {
+            const int j = threadIdx.x + c * NORM_THREADS;
+            if (j < chunks) {
+                g[c] = ((const Vec8*)gamma)[j];
+                Vec8 v = ((const Vec8*)x)[j];
+                if (delta) {
+                    v = add8<BF16>(v, ((const Vec8*)delta)[j]);
+                    ((Vec8*)sum)[j] = v;
+                }
+                h[c] = v;
+                ss += sum_squares8<BF16>(v);
+            }
+        }
+        ss = block_reduce<NORM_THREADS, false>(ss, red);
+        const float r = rsqrtf(ss / (float)p.width + p.eps);
+#pragma unroll
+        for (int c = 0; c < NORM_CHUNKS; ++c) {
+            const int j = threadIdx.x + c * NORM_THREADS;
+            if (j < chunks) ((Vec8*)out)[j] = scale8<BF16>(h[c], g[c], r);
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < p.width; i += NORM_THREADS) {
         float v = from16<BF16>(x[i]);
         if (delta) {
-            const u16 h = to16<BF16>(v + from16<BF16>(delta[i]));
-            sum[i] = h;
-            v = from16<BF16>(h);
+            const u16 hv = to16<BF16>(v + from16<BF16>(delta[i]));
+            sum[i] = hv;
+            v = from16<BF16>(hv);
         }
         ss += v * v;
     }
     ss = block_reduce<NORM_THREADS, false>(ss, red);
     const float r = rsqrtf(ss / (float)p.width + p.eps);
-    const u16* h = delta ? sum : x;  // this thread's own elements (written above)
-    const u16* gamma = (const u16*)p.gamma;
-    u16* out = (u16*)p.out + row * p.width;
+    const u16* hs = delta ? sum : x;  // this thread's own elements (written above)
     for (int i = threadIdx.x; i < p.width; i += NORM_THREADS)
-        out[i] = to16<BF16>(from16<BF16>(h[i]) * r * from16<BF16>(gamma[i]));
+        out[i] = to16<BF16>(from16<BF16>(hs[i]) * r * from16<BF16>(gamma[i]));
 }
 
 // Must match `GateParams` in attention/block.rs (repr(C)).
@@ -79,7 +159,7 @@ struct RopeParams {
     u64 q;      // out: [batch, t, hq, d]
     u64 k, v;   // caches [batch, capacity, hkv, d], written at positions start..start + t
     int batch, t, hq, hkv, d, start, capacity;
-    i64 table_strides[3];  // in elements: position, pair index, (cos, sin)
+    i64 table_strides[3];  // in elements: position, element j < d (read at j = 2i), cos/sin
 };
 
 // One CTA per (token, head), one thread per pair (2i, 2i + 1): q and k heads rotated

@@ -14,7 +14,7 @@ use crate::{
 };
 
 /// Threads of an RMSNorm CTA (`NORM_THREADS` in `block.cu`).
-const NORM_THREADS: u32 = 1024;
+const NORM_THREADS: u32 = 256;
 
 /// Must match `NormParams` in `block.cu`.
 #[repr(C)]
