@@ -89,8 +89,8 @@ pub struct MemoryReport {
 }
 
 /// The GEMM graphs `device`'s lanes hold now and how their GEMM calls ran, over every
-/// layer run so far (see [`GraphReport`](super::ordering::GraphReport)). On fusion, sync first: a queued forward
-/// has not captured its graph yet.
+/// layer run so far (see [`GraphReport`](super::ordering::GraphReport)). On fusion, sync
+/// first: a queued forward has not captured its graph yet.
 pub fn graph_report(device: &cubecl::cuda::CudaDevice) -> Result<super::ordering::GraphReport> {
     let state = super::state::device_state(device.index)?;
     let state = state.lock().unwrap_or_else(|e| e.into_inner());

@@ -73,6 +73,15 @@ pub struct CallCounts {
     pub host_synced: usize,
 }
 
+impl std::ops::AddAssign for CallCounts {
+    fn add_assign(&mut self, other: Self) {
+        self.queued += other.queued;
+        self.blocking_keyed += other.blocking_keyed;
+        self.blocking_unkeyed += other.blocking_unkeyed;
+        self.host_synced += other.host_synced;
+    }
+}
+
 impl Lane {
     fn new(device_index: usize) -> Result<Self> {
         Ok(Self {
@@ -150,11 +159,8 @@ impl Lanes {
             ..GraphReport::default()
         };
         for lane in self.lanes.values() {
-            let (graphs, calls) = (&lane.graphs, lane.calls);
-            report.calls.queued += calls.queued;
-            report.calls.blocking_keyed += calls.blocking_keyed;
-            report.calls.blocking_unkeyed += calls.blocking_unkeyed;
-            report.calls.host_synced += calls.host_synced;
+            let graphs = &lane.graphs;
+            report.calls += lane.calls;
             report.captured += graphs.captured();
             report.failed += graphs.failed();
             report.clears += graphs.clears();

@@ -117,17 +117,17 @@ __device__ __forceinline__ void rms_norm(const NormParams& p) {
     for (int i = threadIdx.x; i < p.width; i += NORM_THREADS) {
         float v = from16<BF16>(x[i]);
         if (delta) {
-            const u16 hv = to16<BF16>(v + from16<BF16>(delta[i]));
-            sum[i] = hv;
-            v = from16<BF16>(hv);
+            const u16 h = to16<BF16>(v + from16<BF16>(delta[i]));
+            sum[i] = h;
+            v = from16<BF16>(h);
         }
         ss += v * v;
     }
     ss = block_reduce<NORM_THREADS, false>(ss, red);
     const float r = rsqrtf(ss / (float)p.width + p.eps);
-    const u16* hs = delta ? sum : x;  // this thread's own elements (written above)
+    const u16* h = delta ? sum : x;  // this thread's own elements (written above)
     for (int i = threadIdx.x; i < p.width; i += NORM_THREADS)
-        out[i] = to16<BF16>(from16<BF16>(hs[i]) * r * from16<BF16>(gamma[i]));
+        out[i] = to16<BF16>(from16<BF16>(h[i]) * r * from16<BF16>(gamma[i]));
 }
 
 // Must match `GateParams` in attention/block.rs (repr(C)).
