@@ -279,6 +279,106 @@ pub fn rope_attention_linear<B: SlideSparseBackend>(
     linear.try_forward(rope_attention(qkv, keys, values, step)?)
 }
 
+/// The layers of a pre-norm decoder block with fused projections (Llama, Qwen2, Mistral):
+/// what [`decoder_block`] runs.
+pub struct DecoderBlock<'a, B: SlideSparseBackend> {
+    /// The norm before the attention.
+    pub attn_norm: &'a RmsNorm<B>,
+    /// `[q | k | v]` in one layer (heads q, then k, then v).
+    pub qkv: &'a MaybeSparseLinear<B>,
+    /// The attention's output projection.
+    pub o: &'a MaybeSparseLinear<B>,
+    /// The norm before the MLP.
+    pub mlp_norm: &'a RmsNorm<B>,
+    /// `[gate | up]` in one layer.
+    pub gate_up: &'a MaybeSparseLinear<B>,
+    /// The MLP's down projection.
+    pub down: &'a MaybeSparseLinear<B>,
+}
+
+/// One pre-norm decoder block on the residual stream `x` plus `delta` (the previous block's
+/// MLP output, added here; `None` for the first block): returns `(h, mlp)` with
+/// `h = x + delta + o(attention(qkv(attn_norm(x + delta))))` and
+/// `mlp = down(silu(gate) * up)` of `gate_up(mlp_norm(h))`, for the next block (or the
+/// caller) to add. The attention step is [`rope_attention`]'s (the cache written in place at
+/// `step.start..`).
+///
+/// Exactly [`add_rms_norm_linear`] (or [`rms_norm_linear`]), [`rope_attention_linear`],
+/// [`add_rms_norm_linear`] and [`silu_mul_linear`] in turn, the same kernels in the same
+/// order; on burn-cuda, where all four linears run the CUDA pipeline and the step kernels
+/// apply (bf16 or f16, head dim 64 or 128), they run as **one** operation, and every shape is
+/// checked before anything runs.
+///
+/// Why: on burn's fusion backend (`burn::backend::Cuda`) every operation costs fusion's
+/// server thread ~10 us at decode sizes, on the path of every kernel launch; one operation
+/// per block instead of four takes ~96 of them off a 32-block model's step.
+pub fn decoder_block<B: SlideSparseBackend>(
+    (x, delta): (Tensor<B, 3>, Option<Tensor<B, 3>>),
+    block: &DecoderBlock<'_, B>,
+    keys: &mut Tensor<B, 4>,
+    values: &mut Tensor<B, 4>,
+    step: RopeAttention<'_, B>,
+) -> Result<(Tensor<B, 3>, Tensor<B, 3>)> {
+    if let Some(delta) = &delta
+        && delta.dims() != x.dims()
+    {
+        return Err(SlideSparseError::shape(
+            "decoder block residual (the shape of x)",
+            format!("{:?}", x.dims()),
+            format!("{:?}", delta.dims()),
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    let (x, delta) = match native::decoder_block((x, delta), block, keys, values, &step)? {
+        Ok(out) => return out,
+        Err(inputs) => inputs,
+    };
+    let (x, qkv) = match delta {
+        Some(delta) => add_rms_norm_linear(x, delta, block.attn_norm, block.qkv)?,
+        None => (x.clone(), rms_norm_linear(x, block.attn_norm, block.qkv)?),
+    };
+    let attended = rope_attention_linear(qkv, keys, values, step, block.o)?;
+    let (h, gate_up) = add_rms_norm_linear(x, attended, block.mlp_norm, block.gate_up)?;
+    Ok((h, silu_mul_linear(gate_up, block.down)?))
+}
+
+/// The output widths of a [`decoder_block`] whose four linears run the CUDA pipeline, or
+/// the shape error that would stop one of its steps: checked before the single operation is
+/// queued, since on fusion a step's own check would only run inside it.
+#[cfg(feature = "cuda")]
+fn check_decoder_block<B: SlideSparseBackend>(
+    [batch, t, hidden]: [usize; 3],
+    block: &DecoderBlock<'_, B>,
+    (keys, values): (&Tensor<B, 4>, &Tensor<B, 4>),
+    step: &RopeAttention<'_, B>,
+) -> Result<usize> {
+    check_linear_input(block.qkv, hidden)?;
+    let d = check_rope_attention([batch, t, block.qkv.features().1], keys, values, step)?;
+    check_linear_input(block.o, step.heads.0 * d)?;
+    let same = |what: &'static str, got: usize| {
+        if got == hidden {
+            Ok(())
+        } else {
+            Err(SlideSparseError::shape(what, hidden, got))
+        }
+    };
+    same(
+        "the o projection's output width (the hidden size)",
+        block.o.features().1,
+    )?;
+    check_linear_input(block.gate_up, hidden)?;
+    let gate_up = block.gate_up.features().1;
+    if !gate_up.is_multiple_of(2) {
+        return Err(SlideSparseError::shape(
+            "gate_up output (an even width: gate then up)",
+            "an even width",
+            gate_up,
+        ));
+    }
+    check_linear_input(block.down, gate_up / 2)?;
+    Ok(d)
+}
+
 /// The shape error of a SlideSparse or quantized linear that cannot read a step's output of
 /// `width` values per row, checked before queuing: on fusion the layer's own check would
 /// only run inside the fused execution. A dense or masked layer is burn's `Linear`, which
@@ -442,6 +542,80 @@ mod native {
             },
         );
         Ok(ran::<B>(out).map(|mut outs| wrap(outs.pop().expect("one output"))))
+    }
+
+    /// The inputs of [`decoder_block`](super::decoder_block), given back.
+    type BlockInputs<B> = (Tensor<B, 3>, Option<Tensor<B, 3>>);
+    /// `(h, mlp)` of a decoder block.
+    type BlockOutputs<B> = (Tensor<B, 3>, Tensor<B, 3>);
+
+    /// The whole block as one operation where its four linears run the CUDA pipeline and the
+    /// step kernels apply; the shape error of any step before anything runs.
+    #[allow(clippy::type_complexity)]
+    pub fn decoder_block<B: crate::SlideSparseBackend>(
+        (x, delta): BlockInputs<B>,
+        block: &super::DecoderBlock<'_, B>,
+        keys: &Tensor<B, 4>,
+        values: &Tensor<B, 4>,
+        step: &RopeAttention<'_, B>,
+    ) -> Result<std::result::Result<Result<BlockOutputs<B>>, BlockInputs<B>>> {
+        let layers = [block.qkv, block.o, block.gate_up, block.down];
+        let mut linears = Vec::with_capacity(4);
+        for layer in layers {
+            match linear_after(layer)? {
+                Some(after) => linears.push(after.linear),
+                None => return Ok(Err((x, delta))),
+            }
+        }
+        let (g1, g2) = (block.attn_norm.gamma.val(), block.mlp_norm.gamma.val());
+        let table = &step.rope.freq_complex;
+        let mut dtypes = vec![x.dtype(), g1.dtype(), g2.dtype(), table.dtype()];
+        dtypes.extend([keys.dtype(), values.dtype()]);
+        dtypes.extend(delta.as_ref().map(|d| d.dtype()));
+        let d = keys.dims()[3];
+        if !sixteen_bit(&dtypes) || !matches!(d, 64 | 128) {
+            return Ok(Err((x, delta)));
+        }
+        let [batch, t, hidden] = x.dims();
+        super::check_decoder_block([batch, t, hidden], block, (keys, values), step)?;
+        let (shape, dtype) = (x.shape(), x.dtype());
+        let out_shape = burn::tensor::Shape::new([batch, t, block.down.features().1]);
+        let has_delta = delta.is_some();
+        let mut inputs = vec![float(x), float(g1), float(table.clone())];
+        inputs.extend([float(keys.clone()), float(values.clone()), float(g2)]);
+        inputs.extend(delta.map(float));
+        let (eps1, eps2) = (block.attn_norm.epsilon, block.mlp_norm.epsilon);
+        let (start, heads, scale) = (step.start, step.heads, step.scale);
+        let [qkv, o, gate_up, down]: [NativeLinear; 4] = linears.try_into().expect("four linears");
+        let out = run::<B>(
+            "slidesparse_decoder_block",
+            inputs,
+            vec![shape, out_shape],
+            dtype,
+            move |mut t: NativeTensors| {
+                let delta = has_delta.then(|| t.pop().expect("seven inputs"));
+                let g2 = t.pop().expect("six inputs");
+                let values = t.pop().expect("six inputs");
+                let keys = t.pop().expect("six inputs");
+                let table = t.pop().expect("six inputs");
+                let g1 = t.pop().expect("six inputs");
+                let x = t.pop().expect("six inputs");
+                // Without a delta the norm reads `x`, which stays the residual.
+                let (sum, normed) = kernels::rms_norm(x.clone(), delta, g1, eps1)?;
+                let residual = sum.unwrap_or(x);
+                let qkv = qkv.forward(normed)?;
+                let attended =
+                    kernels::rope_attention(qkv, table, keys, values, start, heads, scale)?;
+                let attended = o.forward(attended)?;
+                let (h, normed) = kernels::rms_norm(residual, Some(attended), g2, eps2)?;
+                let product = kernels::silu_mul(gate_up.forward(normed)?)?;
+                Ok(vec![h.expect("the sum of an add"), down.forward(product)?])
+            },
+        );
+        Ok(Ok(ran::<B>(out).map(|mut outs| {
+            let mlp = wrap(outs.pop().expect("two outputs"));
+            (wrap(outs.pop().expect("two outputs")), mlp)
+        })))
     }
 
     /// `qkv` is moved in; the table and the caches are read through clones (the model keeps

@@ -51,8 +51,8 @@ pub use attention::{
 pub use autodiff::AutodiffPrepared;
 pub use backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend};
 pub use block_ops::{
-    RopeAttention, add_rms_norm, add_rms_norm_linear, rms_norm, rms_norm_linear, rope_attention,
-    rope_attention_linear, silu_mul, silu_mul_linear,
+    DecoderBlock, RopeAttention, add_rms_norm, add_rms_norm_linear, decoder_block, rms_norm,
+    rms_norm_linear, rope_attention, rope_attention_linear, silu_mul, silu_mul_linear,
 };
 pub use checkpoint::{
     DEFAULT_EXCLUDE, DEFAULT_LAYER_FILTER, LayerSelection, PackProgress, PackReport, VerifyReport,

@@ -13,9 +13,8 @@ use burn::{
     tensor::{Int, Tensor, TensorCreationOptions, activation, backend::Backend},
 };
 use burn_slidesparse::{
-    MaybeSparseLinear, RopeAttention, SlideSparseBackend, VisitLinears, add_rms_norm,
-    add_rms_norm_linear, concat_outputs, rms_norm, rms_norm_linear, rope_attention,
-    rope_attention_linear, silu_mul, silu_mul_linear,
+    DecoderBlock, MaybeSparseLinear, RopeAttention, SlideSparseBackend, VisitLinears, add_rms_norm,
+    concat_outputs, decoder_block, rms_norm, rope_attention, silu_mul,
 };
 
 /// Model hyper-parameters.
@@ -212,9 +211,10 @@ pub struct Llama<B: Backend> {
     pub rope: RotaryEncoding<B>,
     pub heads: usize,
     pub kv_heads: usize,
-    /// Run each block linear inside the operation of the step before it where the library
-    /// can (`add_rms_norm_linear`, ...; fused projections, no observer): four operations per
-    /// block instead of eight. `false` runs them apart (to measure the difference).
+    /// Run each block with fused projections, seen by no observer, as the library's
+    /// `decoder_block` (one operation on burn-cuda where its linears are SlideSparse or
+    /// quantized, instead of eight: each step and each linear apart). `false` runs them
+    /// apart (to measure the difference).
     #[module(skip)]
     pub composed_steps: bool,
 }
@@ -516,10 +516,9 @@ impl<B: SlideSparseBackend> Block<B> {
     }
 
     /// [`forward`](Self::forward) of a block with fused projections, seen by no observer:
-    /// each linear runs inside the operation of the step before it (`add_rms_norm_linear`,
-    /// `rope_attention_linear`, `silu_mul_linear`), four operations per block on burn-cuda
-    /// where the linears are SlideSparse or quantized (decode is bound by the host's cost
-    /// per operation).
+    /// `burn_slidesparse::decoder_block`, one operation per block on burn-cuda where the
+    /// linears are SlideSparse or quantized (decode is bound by the host's cost per
+    /// operation).
     fn forward_composed(
         &self,
         (x, delta): (Tensor<B, 3>, Option<Tensor<B, 3>>),
@@ -527,27 +526,29 @@ impl<B: SlideSparseBackend> Block<B> {
         attention: BlockAttention<'_, B>,
         (qkv, gate_up): (&MaybeSparseLinear<B>, &MaybeSparseLinear<B>),
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let (x, qkv) = match delta {
-            Some(delta) => step(
-                "norm + qkv",
-                add_rms_norm_linear(x, delta, &self.attn_norm, qkv),
-            ),
-            None => (
-                x.clone(),
-                step("norm + qkv", rms_norm_linear(x, &self.attn_norm, qkv)),
-            ),
+        let [batch, t, _] = x.dims();
+        let (heads, kv_heads) = attention.heads;
+        let hd = qkv.features().1 / (heads + 2 * kv_heads);
+        let start = cache.start;
+        let (keys, values) = cache.reserve([batch, t, kv_heads, hd], &x);
+        let options = RopeAttention {
+            rope: attention.rope,
+            start,
+            heads: attention.heads,
+            scale: None,
         };
-        let [batch, t, _] = qkv.dims();
-        let (keys, values, options) = self.attention_step(batch, t, cache, attention, &qkv);
-        let attended = step(
-            "attention + o",
-            rope_attention_linear(qkv, keys, values, options, &self.o),
-        );
-        let (h, gate_up) = step(
-            "norm + gate_up",
-            add_rms_norm_linear(x, attended, &self.mlp_norm, gate_up),
-        );
-        (h, step("SiLU + down", silu_mul_linear(gate_up, &self.down)))
+        let block = DecoderBlock {
+            attn_norm: &self.attn_norm,
+            qkv,
+            o: &self.o,
+            mlp_norm: &self.mlp_norm,
+            gate_up,
+            down: &self.down,
+        };
+        step(
+            "decoder block",
+            decoder_block((x, delta), &block, keys, values, options),
+        )
     }
 
     /// `[q | k | v]` of `x`: the fused layer's output, or the three layers' side by side.

@@ -10,10 +10,10 @@ use burn::{
     tensor::{Distribution, Tensor},
 };
 use burn_slidesparse::{
-    AttentionOptions, MaybeSparseLinear, PackOptions, Precision, QuantizedLinear, RopeAttention,
-    SlideSparseError, SlideSparseLinear, SparsityPattern, add_rms_norm, add_rms_norm_linear,
-    causal_attention_reference, rms_norm, rms_norm_linear, rope_attention, rope_attention_linear,
-    silu_mul, silu_mul_linear,
+    AttentionOptions, DecoderBlock, MaybeSparseLinear, PackOptions, Precision, QuantizedLinear,
+    RopeAttention, SlideSparseError, SlideSparseLinear, SparsityPattern, add_rms_norm,
+    add_rms_norm_linear, causal_attention_reference, decoder_block, rms_norm, rms_norm_linear,
+    rope_attention, rope_attention_linear, silu_mul, silu_mul_linear,
 };
 
 type Cpu = NdArray;
@@ -250,5 +250,65 @@ fn a_composed_step_with_a_misfit_linear_is_an_error_that_leaves_the_cache_unchan
         shape_error(err);
         assert_eq!(max_diff(keys, zeros()), 0.0, "{}", linear.kind());
         assert_eq!(max_diff(values, zeros()), 0.0, "{}", linear.kind());
+    }
+}
+
+/// `decoder_block` is the pre-norm block written out with the plain steps and each layer's
+/// own forward: `h = x + delta + o(attention(qkv(norm(x + delta))))`,
+/// `mlp = down(silu(gate) * up)` of `gate_up(mlp_norm(h))`, for every kind of linear, with and
+/// without a delta; a delta of another shape is a shape error before the cache is touched.
+#[test]
+fn a_decoder_block_is_the_pre_norm_block() {
+    let (hidden, f) = (32, 24);
+    let rope = rope();
+    let device = Default::default();
+    let attn_norm = RmsNormConfig::new(hidden).init::<Cpu>(&device);
+    let mlp_norm = RmsNormConfig::new(hidden).init::<Cpu>(&device);
+    let layers = linears(hidden, (HQ + 2 * HKV) * D)
+        .into_iter()
+        .zip(linears(HQ * D, hidden))
+        .zip(linears(hidden, 2 * f))
+        .zip(linears(f, hidden));
+    for (((qkv, o), gate_up), down) in layers {
+        let kind = qkv.kind();
+        let block = DecoderBlock {
+            attn_norm: &attn_norm,
+            qkv: &qkv,
+            o: &o,
+            mlp_norm: &mlp_norm,
+            gate_up: &gate_up,
+            down: &down,
+        };
+        let cache = || Tensor::<Cpu, 4>::zeros([2, 12, HKV, D], &device);
+        for delta in [None, Some(random([2, 5, hidden]))] {
+            let x = random([2, 5, hidden]);
+            let residual = match &delta {
+                Some(delta) => x.clone() + delta.clone(),
+                None => x.clone(),
+            };
+            let (mut k1, mut v1) = (cache(), cache());
+            let qkv_out = qkv.forward(attn_norm.forward(residual.clone()));
+            let attended = rope_attention(qkv_out, &mut k1, &mut v1, step(&rope, 3)).unwrap();
+            let want_h = residual + o.forward(attended);
+            let gated = silu_mul(gate_up.forward(mlp_norm.forward(want_h.clone()))).unwrap();
+            let want_mlp = down.forward(gated);
+
+            let (mut k2, mut v2) = (cache(), cache());
+            let (h, mlp) =
+                decoder_block((x, delta), &block, &mut k2, &mut v2, step(&rope, 3)).unwrap();
+            assert!(max_diff(h, want_h) < 1e-5, "{kind} (h)");
+            assert!(max_diff(mlp, want_mlp) < 1e-5, "{kind} (mlp)");
+            assert_eq!(max_diff(k1, k2), 0.0, "{kind} keys");
+            assert_eq!(max_diff(v1, v2), 0.0, "{kind} values");
+        }
+        let (mut keys, mut values) = (cache(), cache());
+        let misfit = (random([2, 5, hidden]), Some(random([2, 4, hidden])));
+        let err =
+            decoder_block(misfit, &block, &mut keys, &mut values, step(&rope, 3)).unwrap_err();
+        assert!(
+            matches!(err, SlideSparseError::ShapeMismatch { .. }),
+            "{err}"
+        );
+        assert_eq!(max_diff(keys, cache()), 0.0, "{kind}: cache untouched");
     }
 }

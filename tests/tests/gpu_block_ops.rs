@@ -5,7 +5,8 @@
 //!
 //! The composed forms (`rms_norm_linear`, `add_rms_norm_linear`, `silu_mul_linear`,
 //! `rope_attention_linear`: the step and the linear after it as one operation) must equal the
-//! step then the linear **bit for bit**: the same kernels on the same data.
+//! step then the linear **bit for bit**: the same kernels on the same data; so must
+//! `decoder_block` (a whole block as one operation) equal those four in turn.
 //!
 //! Tolerance per element `|gpu - ref| <= tol * (1 + |ref|)`: tol = 2e-2 for bf16, 4e-3 for
 //! f16 (one 16-bit rounding of the output, plus the attention's P rounding). Needs an NVIDIA
@@ -20,9 +21,10 @@ use burn::{
 };
 use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
-    MaybeSparseLinear, PackOptions, Precision, QuantizedLinear, RopeAttention, SlideSparseBackend,
-    SlideSparseLinear, SparsityPattern, add_rms_norm, add_rms_norm_linear, rms_norm,
-    rms_norm_linear, rope_attention, rope_attention_linear, silu_mul, silu_mul_linear,
+    DecoderBlock, MaybeSparseLinear, PackOptions, Precision, QuantizedLinear, RopeAttention,
+    SlideSparseBackend, SlideSparseLinear, SparsityPattern, add_rms_norm, add_rms_norm_linear,
+    decoder_block, rms_norm, rms_norm_linear, rope_attention, rope_attention_linear, silu_mul,
+    silu_mul_linear,
 };
 use cubecl::cuda::CudaRuntime;
 use rand::Rng;
@@ -382,4 +384,80 @@ fn composed_steps_equal_the_step_then_the_linear() {
     composed_norms_and_gate::<Fused16>(DType::BF16, 600);
     composed_rope_attention::<Gpu16>(DType::BF16, 700);
     composed_rope_attention::<Fused16>(DType::BF16, 800);
+}
+
+/// `decoder_block` (one operation) against its four composed steps in turn, for SlideSparse
+/// and quantized linears: a prompt then decode steps into caches of their own, the first
+/// without a residual delta; outputs and caches equal bit for bit.
+fn decoder_block_steps<B: SlideSparseBackend>(dtype: DType, seed: u64) {
+    let (hq, hkv, d, hidden, f) = (8, 2, 64, 512, 256);
+    let (batch, cap, max_len) = (2, 48, 64);
+    let table = RotaryEncodingConfig::new(max_len, d).init::<Cpu>(&Default::default());
+    let r = rope::<B>(&host(table.freq_complex), max_len, d, dtype);
+    let qkv_layers = linears::<B>((hidden, (hq + 2 * hkv) * d), dtype, seed);
+    let o_layers = linears::<B>((hq * d, hidden), dtype, seed + 1);
+    let gate_up_layers = linears::<B>((hidden, 2 * f), dtype, seed + 2);
+    let down_layers = linears::<B>((f, hidden), dtype, seed + 3);
+    let layers = qkv_layers
+        .iter()
+        .zip(&o_layers)
+        .zip(&gate_up_layers)
+        .zip(&down_layers);
+    for ((((kind, qkv), (_, o)), (_, gate_up)), (_, down)) in layers {
+        let attn_norm = norm::<B>(&values(seed + 4, hidden), dtype);
+        let mlp_norm = norm::<B>(&values(seed + 5, hidden), dtype);
+        let block = DecoderBlock {
+            attn_norm: &attn_norm,
+            qkv,
+            o,
+            mlp_norm: &mlp_norm,
+            gate_up,
+            down,
+        };
+        let zeros = vec![0.0; batch * cap * hkv * d];
+        let cache = || tensor::<B, 4>(&zeros, [batch, cap, hkv, d], dtype);
+        let (mut k1, mut v1, mut k2, mut v2) = (cache(), cache(), cache(), cache());
+        let mut start = 0;
+        for (i, t) in [30, 1, 1, 3].into_iter().enumerate() {
+            let seed = seed + 10 + 2 * i as u64;
+            let x = tensor::<B, 3>(&values(seed, batch * t * hidden), [batch, t, hidden], dtype);
+            let delta = (i > 0).then(|| {
+                tensor::<B, 3>(
+                    &values(seed + 1, batch * t * hidden),
+                    [batch, t, hidden],
+                    dtype,
+                )
+            });
+            let step = || RopeAttention {
+                rope: &r,
+                start,
+                heads: (hq, hkv),
+                scale: None,
+            };
+            let (x1, qkv_out) = match delta.clone() {
+                Some(delta) => add_rms_norm_linear(x.clone(), delta, &attn_norm, qkv).unwrap(),
+                None => (
+                    x.clone(),
+                    rms_norm_linear(x.clone(), &attn_norm, qkv).unwrap(),
+                ),
+            };
+            let attended = rope_attention_linear(qkv_out, &mut k1, &mut v1, step(), o).unwrap();
+            let (want_h, gu) = add_rms_norm_linear(x1, attended, &mlp_norm, gate_up).unwrap();
+            let want_mlp = silu_mul_linear(gu, down).unwrap();
+            let (h, mlp) = decoder_block((x, delta), &block, &mut k2, &mut v2, step()).unwrap();
+            let what = format!("decoder_block {kind}, start {start}, t {t}");
+            same_bits(&format!("{what} (h)"), h, want_h);
+            same_bits(&format!("{what} (mlp)"), mlp, want_mlp);
+            same_bits(&format!("{what} keys"), k2.clone(), k1.clone());
+            same_bits(&format!("{what} values"), v2.clone(), v1.clone());
+            start += t;
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (compute capability 8.0+)"]
+fn a_decoder_block_equals_its_composed_steps() {
+    decoder_block_steps::<Gpu16>(DType::BF16, 900);
+    decoder_block_steps::<Fused16>(DType::BF16, 1000);
 }
