@@ -5,9 +5,10 @@
 //! bf16 in every variant, and the LM head too unless `--head int8` (a dense INT8 head in
 //! every quantized variant, the zero-block model included); activations are bf16.
 //!
-//! The model runs as an inference engine: burn-cuda with fusion (`--backend plain`: without),
-//! q/k/v and gate/up fused into one layer each (`--separate`: not), each linear run inside the
-//! operation of the block step before it (`--compare-apart` also times them apart), the
+//! The model runs as an inference engine: burn-cuda with fusion (`--backend plain`: without;
+//! `both`: each workload alternately on both), q/k/v and gate/up fused into one layer each
+//! (`--separate`: not), each block one `decoder_block` operation (`--compare-apart` also
+//! times each step and linear as operations of their own), the
 //! attention kernels of `burn_slidesparse::causal_attention`, a KV cache written in place.
 //!
 //! Prefill: one sequence of T tokens, median of `--reps` forwards (fresh KV cache each).
@@ -72,7 +73,8 @@ struct Args {
     variants: String,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
-    /// `fusion` (burn-cuda's default: `Fusion<CubeBackend>`) or `plain` (`CubeBackend`).
+    /// `fusion` (burn-cuda's default: `Fusion<CubeBackend>`), `plain` (`CubeBackend`) or
+    /// `both` (random weights: each variant on both, timed alternately, fusion / plain).
     #[arg(long, default_value = "fusion")]
     backend: String,
     /// Tokens per sequence in the KV cache before the timed decode steps.
@@ -296,60 +298,66 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median ms of a prefill of `t` tokens.
-fn prefill_ms<B: SlideSparseBackend>(model: &Llama<B>, t: usize, vocab: usize, reps: usize) -> f64 {
+/// Ms of one prefill of `tokens` (a fresh KV cache, synced).
+fn prefill_once<B: SlideSparseBackend>(model: &Llama<B>, tokens: &Tensor<B, 2, Int>) -> f64 {
     let device = Default::default();
-    let tokens = random_tokens::<B>(1, t, vocab, &device);
-    let run = || {
-        let mut cache = KvCache::with_capacity(t);
-        let _ = model.forward_last(tokens.clone(), &mut cache);
-        B::sync(&device).unwrap();
-    };
-    run();
-    median(
-        (0..reps)
-            .map(|_| {
-                let start = Instant::now();
-                run();
-                start.elapsed().as_secs_f64() * 1e3
-            })
-            .collect(),
-    )
+    let start = Instant::now();
+    let mut cache = KvCache::with_capacity(tokens.dims()[1]);
+    let _ = model.forward_last(tokens.clone(), &mut cache);
+    B::sync(&device).unwrap();
+    start.elapsed().as_secs_f64() * 1e3
 }
 
-/// Median ms per decode step at batch `b` with `context` tokens per sequence in the cache:
-/// the context is prefilled once, then each run decodes `steps` tokens back to back (one
-/// device sync at the end) and rewinds the cache to the context. Also the host's ms per step
-/// (the time to queue a step when the device is idle, from a run that syncs every step).
-/// With `profile`, one more step runs inside a profiler range.
-fn decode_ms<B: SlideSparseBackend>(
-    model: &Llama<B>,
-    (b, context): (usize, usize),
-    (steps, profile): (usize, bool),
-    vocab: usize,
-    reps: usize,
-) -> (f64, f64) {
-    let device = Default::default();
-    let step_tokens: Vec<_> = (0..steps)
-        .map(|_| random_tokens::<B>(b, 1, vocab, &device))
-        .collect();
-    let mut cache = KvCache::with_capacity(context + steps);
-    // The context in chunks of <= 16384 tokens (the prefill shapes timed above).
-    let chunk = (16_384 / b).max(1);
-    let mut done = 0;
-    while done < context {
-        let t = chunk.min(context - done);
-        let _ = model.forward_last(random_tokens::<B>(b, t, vocab, &device), &mut cache);
-        done += t;
+/// Median ms of a prefill of `t` tokens.
+fn prefill_ms<B: SlideSparseBackend>(model: &Llama<B>, t: usize, vocab: usize, reps: usize) -> f64 {
+    let tokens = random_tokens::<B>(1, t, vocab, &Default::default());
+    prefill_once(model, &tokens);
+    median((0..reps).map(|_| prefill_once(model, &tokens)).collect())
+}
+
+/// A decode workload on one model: batch `b` with `context` tokens per sequence in the cache
+/// (prefilled once), and the tokens of `steps` single-token steps.
+struct Decoder<'m, B: SlideSparseBackend> {
+    model: &'m Llama<B>,
+    cache: KvCache<B>,
+    tokens: Vec<Tensor<B, 2, Int>>,
+    context: usize,
+}
+
+impl<'m, B: SlideSparseBackend> Decoder<'m, B> {
+    fn new(model: &'m Llama<B>, (b, context): (usize, usize), steps: usize, vocab: usize) -> Self {
+        let device = Default::default();
+        let tokens = (0..steps)
+            .map(|_| random_tokens::<B>(b, 1, vocab, &device))
+            .collect();
+        let mut cache = KvCache::with_capacity(context + steps);
+        // The context in chunks of <= 16384 tokens (the prefill shapes timed above).
+        let chunk = (16_384 / b).max(1);
+        let mut done = 0;
+        while done < context {
+            let t = chunk.min(context - done);
+            let _ = model.forward_last(random_tokens::<B>(b, t, vocab, &device), &mut cache);
+            done += t;
+        }
+        B::sync(&device).unwrap();
+        Self {
+            model,
+            cache,
+            tokens,
+            context,
+        }
     }
-    B::sync(&device).unwrap();
-    let mut run = |host: bool| {
-        cache.truncate(context);
+
+    /// Ms per step of one run of the steps back to back from the context (one device sync at
+    /// the end); with `host`, the ms to queue a step, from a run that syncs after every step.
+    fn run(&mut self, host: bool) -> f64 {
+        let device = Default::default();
+        self.cache.truncate(self.context);
         let start = Instant::now();
         let mut queued = 0.0;
-        for tokens in &step_tokens {
+        for tokens in &self.tokens {
             let t0 = Instant::now();
-            let _ = model.forward_last(tokens.clone(), &mut cache);
+            let _ = self.model.forward_last(tokens.clone(), &mut self.cache);
             queued += t0.elapsed().as_secs_f64();
             if host {
                 B::sync(&device).unwrap();
@@ -357,18 +365,39 @@ fn decode_ms<B: SlideSparseBackend>(
         }
         B::sync(&device).unwrap();
         let total = start.elapsed().as_secs_f64();
-        1e3 / steps as f64 * if host { queued } else { total }
-    };
-    run(false);
-    let device_ms = median((0..reps).map(|_| run(false)).collect());
-    let host_ms = median((0..reps.min(3)).map(|_| run(true)).collect());
-    if profile {
-        cache.truncate(context);
+        1e3 / self.tokens.len() as f64 * if host { queued } else { total }
+    }
+
+    /// One more step inside a profiler range.
+    fn profile(&mut self) {
+        self.cache.truncate(self.context);
         profiler_range(0, || {
-            let _ = model.forward_last(step_tokens[0].clone(), &mut cache);
-            B::sync(&device).unwrap();
+            let _ = self
+                .model
+                .forward_last(self.tokens[0].clone(), &mut self.cache);
+            B::sync(&Default::default()).unwrap();
         })
         .expect("profiler range");
+    }
+}
+
+/// Median ms per decode step at batch `b` with `context` tokens per sequence in the cache
+/// (each run decodes `steps` tokens back to back and rewinds the cache to the context), and
+/// the host's ms per step (the time to queue a step when the device is idle). With
+/// `profile`, one more step runs inside a profiler range.
+fn decode_ms<B: SlideSparseBackend>(
+    model: &Llama<B>,
+    (b, context): (usize, usize),
+    (steps, profile): (usize, bool),
+    vocab: usize,
+    reps: usize,
+) -> (f64, f64) {
+    let mut decoder = Decoder::new(model, (b, context), steps, vocab);
+    decoder.run(false);
+    let device_ms = median((0..reps).map(|_| decoder.run(false)).collect());
+    let host_ms = median((0..reps.min(3)).map(|_| decoder.run(true)).collect());
+    if profile {
+        decoder.profile();
     }
     (device_ms, host_ms)
 }
@@ -392,10 +421,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             || !one(list(&args.decode_batch).len())
             || args.compare_apart
             || args.steps == 0
+            || args.backend == "both"
         {
             return Err(
                 "--profile-decode profiles one decode step: give one --variants, one \
-                        --decode-batch, --steps >= 1 and no --compare-apart"
+                        --decode-batch, --steps >= 1, one --backend and no --compare-apart"
                     .into(),
             );
         }
@@ -407,8 +437,73 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     match args.backend.as_str() {
         "fusion" => run::<Gpu>(&args),
         "plain" => run::<Plain>(&args),
-        other => Err(format!("--backend {other}: fusion or plain").into()),
+        "both" if args.weights == "random" => run_both(&args),
+        "both" => Err("--backend both needs --weights random".into()),
+        other => Err(format!("--backend {other}: fusion, plain or both").into()),
     }
+}
+
+/// `--backend both` (random weights): each variant built on fusion and on the plain backend
+/// side by side, every workload timed **alternately** on the two (one run each, `--reps`
+/// times, after a warm-up run of each), so that the host's drift during the process falls
+/// on both alike; the table gives the medians and fusion / plain.
+fn run_both(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    if args.compare_apart {
+        return Err("--backend both times the composed model only: drop --compare-apart".into());
+    }
+    let config = config(&args.model, args.layers)?;
+    let vocab = config.vocab_size;
+    let mut rows = Vec::new();
+    for variant in args.variants.split(',').map(str::trim) {
+        let fused = build_random::<Gpu>(args, &config, variant)?;
+        let plain = build_random::<Plain>(args, &config, variant)?;
+        for t in list(&args.prefill) {
+            let device = Default::default();
+            let tokens = (
+                random_tokens::<Gpu>(1, t, vocab, &device),
+                random_tokens::<Plain>(1, t, vocab, &device),
+            );
+            let (f, p) = alternate(
+                args.reps,
+                || prefill_once(&fused, &tokens.0),
+                || prefill_once(&plain, &tokens.1),
+            );
+            rows.push((variant.to_string(), format!("prefill {t}"), f, p));
+        }
+        for b in list(&args.decode_batch) {
+            let mut f = Decoder::new(&fused, (b, args.context), args.steps, vocab);
+            let mut p = Decoder::new(&plain, (b, args.context), args.steps, vocab);
+            let (f, p) = alternate(args.reps, || f.run(false), || p.run(false));
+            rows.push((variant.to_string(), format!("decode {b}"), f, p));
+        }
+        eprintln!(
+            "after {variant}: GEMM graphs so far: {}",
+            graph_report(&Default::default())?
+        );
+    }
+    println!(
+        "\n{} with {} blocks, bf16 activations, fusion and plain backends alternately in one process: median ms (whole model)",
+        args.model, args.layers
+    );
+    println!("| variant | workload | fusion ms | plain ms | fusion / plain |");
+    println!("|---|---|---|---|---|");
+    for (variant, what, f, p) in rows {
+        println!("| {variant} | {what} | {f:.3} | {p:.3} | {:.3} |", f / p);
+    }
+    Ok(())
+}
+
+/// Medians of `reps` runs of `a` and of `b` taken in turn (`a`, `b`, `a`, ...), after one
+/// warm-up run of each.
+fn alternate(reps: usize, mut a: impl FnMut() -> f64, mut b: impl FnMut() -> f64) -> (f64, f64) {
+    a();
+    b();
+    let (mut xa, mut xb) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        xa.push(a());
+        xb.push(b());
+    }
+    (median(xa), median(xb))
 }
 
 /// Logits of a small model of Llama-3's head size (2 blocks, GQA 4:1, head dim 128) on `B`
@@ -584,13 +679,44 @@ fn run<B: SlideSparseBackend>(args: &Args) -> Result<(), Box<dyn std::error::Err
     Ok(())
 }
 
+/// `variant` (or the zero-block model, `head-only`) with random codes, prepared, every
+/// parameter materialized and what is queued run.
+fn build_random<B: SlideSparseBackend>(
+    args: &Args,
+    config: &LlamaConfig,
+    variant: &str,
+) -> Result<Llama<B>, Box<dyn std::error::Error>> {
+    let device = Default::default();
+    let mut model = if variant == "head-only" {
+        LlamaConfig {
+            layers: 0,
+            ..config.clone()
+        }
+        .init::<B>(&device)
+    } else {
+        let mut model = config.init::<B>(&device);
+        convert_random(&mut model, variant)?;
+        model
+    };
+    convert_head(&mut model, args, variant)?;
+    // burn initializes parameters lazily, on first use: materialize them all (the bf16
+    // linears, embeddings and head) so that the report counts the whole model.
+    model.visit(&mut Materialize);
+    if !args.separate {
+        model.fuse_projections()?;
+    }
+    prepare_all(&mut model)?;
+    // Fusion creates tensors lazily: run what is queued before reading the allocator.
+    B::sync(&device)?;
+    Ok(model)
+}
+
 /// `--weights random`: each variant built, prepared and measured on its own (memory after
 /// preparation, then the workloads), one after the other in this process.
 fn run_random<B: SlideSparseBackend>(
     args: &Args,
     config: &LlamaConfig,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let device = Default::default();
     let vocab = config.vocab_size;
     let mut results: BTreeMap<(String, String), f64> = BTreeMap::new();
     let mut memory = Vec::new();
@@ -598,27 +724,7 @@ fn run_random<B: SlideSparseBackend>(
     variants.extend(args.variants.split(',').map(|s| s.trim().to_string()));
     for variant in &variants {
         let started = Instant::now();
-        let mut model = if variant == "head-only" {
-            LlamaConfig {
-                layers: 0,
-                ..config.clone()
-            }
-            .init::<B>(&device)
-        } else {
-            let mut model = config.init::<B>(&device);
-            convert_random(&mut model, variant)?;
-            model
-        };
-        convert_head(&mut model, args, variant)?;
-        // burn initializes parameters lazily, on first use: materialize them all (the bf16
-        // linears, embeddings and head) so that the report counts the whole model.
-        model.visit(&mut Materialize);
-        if !args.separate {
-            model.fuse_projections()?;
-        }
-        prepare_all(&mut model)?;
-        // Fusion creates tensors lazily: run what is queued before reading the allocator.
-        B::sync(&device)?;
+        let mut model = build_random::<B>(args, config, variant)?;
         let report = memory_report(&Default::default())?;
         eprintln!(
             "{variant}: built and prepared in {:.1} s; allocator in use {:.0} MiB, reserved {:.0} MiB, driver used {:.0} MiB",
@@ -720,8 +826,8 @@ fn print_table(args: &Args, results: &BTreeMap<(String, String), f64>, variants:
         )
         .collect();
     println!(
-        "\n{} with {} blocks, bf16 activations: ms (whole model), x = dense-int8 ms / variant ms, per-block x = the same with the zero-block model's time subtracted",
-        args.model, args.layers
+        "\n{} with {} blocks, {} backend, bf16 activations: ms (whole model), x = dense-int8 ms / variant ms, per-block x = the same with the zero-block model's time subtracted",
+        args.model, args.layers, args.backend
     );
     println!("| variant | workload | ms | tok/s | x vs dense-int8 | per-block x | host ms/step |");
     println!("|---|---|---|---|---|---|---|");
