@@ -7,8 +7,9 @@
 //!
 //! The model runs as an inference engine: burn-cuda with fusion (`--backend plain`: without;
 //! `both`: each workload alternately on both), q/k/v and gate/up fused into one layer each
-//! (`--separate`: not), each block one `decoder_block` operation (`--compare-apart` also
-//! times each step and linear as operations of their own), the
+//! (`--separate`: not), each block one `decoder_block` operation where its linears are
+//! SlideSparse or quantized (`--compare-apart` also times each step and linear as operations
+//! of their own), the
 //! attention kernels of `burn_slidesparse::causal_attention`, a KV cache written in place.
 //!
 //! Prefill: one sequence of T tokens, median of `--reps` forwards (fresh KV cache each).
@@ -305,6 +306,7 @@ fn prefill_once<B: SlideSparseBackend>(model: &Llama<B>, tokens: &Tensor<B, 2, I
     let mut cache = KvCache::with_capacity(tokens.dims()[1]);
     let _ = model.forward_last(tokens.clone(), &mut cache);
     B::sync(&device).unwrap();
+    drop(cache);
     start.elapsed().as_secs_f64() * 1e3
 }
 
@@ -448,8 +450,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// times, after a warm-up run of each), so that the host's drift during the process falls
 /// on both alike; the table gives the medians and fusion / plain.
 fn run_both(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    if args.compare_apart {
-        return Err("--backend both times the composed model only: drop --compare-apart".into());
+    if args.compare_apart || args.json.is_some() {
+        return Err(
+            "--backend both times the composed model into its table only: drop \
+             --compare-apart and --json"
+                .into(),
+        );
     }
     let config = config(&args.model, args.layers)?;
     let vocab = config.vocab_size;

@@ -306,8 +306,10 @@ pub struct DecoderBlock<'a, B: SlideSparseBackend> {
 /// Exactly [`add_rms_norm_linear`] (or [`rms_norm_linear`]), [`rope_attention_linear`],
 /// [`add_rms_norm_linear`] and [`silu_mul_linear`] in turn, the same kernels in the same
 /// order; on burn-cuda, where all four linears run the CUDA pipeline and the step kernels
-/// apply (bf16 or f16, head dim 64 or 128), they run as **one** operation, and every shape is
-/// checked before anything runs.
+/// apply (bf16 or f16, head dim 64 or 128, contiguous caches), they run as **one**
+/// operation. The shapes of every step (input, residual, norms, linears, table and caches)
+/// are checked first, on every backend: a misfit block is an error before the cache is
+/// written.
 ///
 /// Why: on burn's fusion backend (`burn::backend::Cuda`) every operation costs fusion's
 /// server thread ~10 us at decode sizes, on the path of every kernel launch; one operation
@@ -319,15 +321,8 @@ pub fn decoder_block<B: SlideSparseBackend>(
     values: &mut Tensor<B, 4>,
     step: RopeAttention<'_, B>,
 ) -> Result<(Tensor<B, 3>, Tensor<B, 3>)> {
-    if let Some(delta) = &delta
-        && delta.dims() != x.dims()
-    {
-        return Err(SlideSparseError::shape(
-            "decoder block residual (the shape of x)",
-            format!("{:?}", x.dims()),
-            format!("{:?}", delta.dims()),
-        ));
-    }
+    let delta_dims = delta.as_ref().map(Tensor::dims);
+    check_decoder_block((x.dims(), delta_dims), block, (keys, values), &step)?;
     #[cfg(feature = "cuda")]
     let (x, delta) = match native::decoder_block((x, delta), block, keys, values, &step)? {
         Ok(out) => return out,
@@ -342,16 +337,43 @@ pub fn decoder_block<B: SlideSparseBackend>(
     Ok((h, silu_mul_linear(gate_up, block.down)?))
 }
 
-/// The output widths of a [`decoder_block`] whose four linears run the CUDA pipeline, or
-/// the shape error that would stop one of its steps: checked before the single operation is
-/// queued, since on fusion a step's own check would only run inside it.
-#[cfg(feature = "cuda")]
+/// The shape error that would stop one of a [`decoder_block`]'s steps, found before any of
+/// them runs: on fusion a step's own check would only run inside the single operation, and
+/// on any backend the attention step would already have written the cache.
 fn check_decoder_block<B: SlideSparseBackend>(
-    [batch, t, hidden]: [usize; 3],
+    ([batch, t, hidden], delta): ([usize; 3], Option<[usize; 3]>),
     block: &DecoderBlock<'_, B>,
     (keys, values): (&Tensor<B, 4>, &Tensor<B, 4>),
     step: &RopeAttention<'_, B>,
-) -> Result<usize> {
+) -> Result<()> {
+    if let Some(delta) = delta
+        && delta != [batch, t, hidden]
+    {
+        return Err(SlideSparseError::shape(
+            "decoder block residual (the shape of x)",
+            format!("{:?}", [batch, t, hidden]),
+            format!("{delta:?}"),
+        ));
+    }
+    if t == 0 {
+        return Err(SlideSparseError::shape(
+            "decoder block input tokens",
+            "at least one",
+            0,
+        ));
+    }
+    for (what, norm) in [
+        (
+            "the attention norm's width (the hidden size)",
+            block.attn_norm,
+        ),
+        ("the MLP norm's width (the hidden size)", block.mlp_norm),
+    ] {
+        let width = norm.gamma.lazy_shape().num_elements();
+        if width != hidden {
+            return Err(SlideSparseError::shape(what, hidden, width));
+        }
+    }
     check_linear_input(block.qkv, hidden)?;
     let d = check_rope_attention([batch, t, block.qkv.features().1], keys, values, step)?;
     check_linear_input(block.o, step.heads.0 * d)?;
@@ -376,7 +398,7 @@ fn check_decoder_block<B: SlideSparseBackend>(
         ));
     }
     check_linear_input(block.down, gate_up / 2)?;
-    Ok(d)
+    Ok(())
 }
 
 /// The shape error of a SlideSparse or quantized linear that cannot read a step's output of
@@ -550,7 +572,7 @@ mod native {
     type BlockOutputs<B> = (Tensor<B, 3>, Tensor<B, 3>);
 
     /// The whole block as one operation where its four linears run the CUDA pipeline and the
-    /// step kernels apply; the shape error of any step before anything runs.
+    /// step kernels apply (its shapes checked by the caller).
     #[allow(clippy::type_complexity)]
     pub fn decoder_block<B: crate::SlideSparseBackend>(
         (x, delta): BlockInputs<B>,
@@ -576,8 +598,7 @@ mod native {
         if !sixteen_bit(&dtypes) || !matches!(d, 64 | 128) {
             return Ok(Err((x, delta)));
         }
-        let [batch, t, hidden] = x.dims();
-        super::check_decoder_block([batch, t, hidden], block, (keys, values), step)?;
+        let [batch, t, _] = x.dims();
         let (shape, dtype) = (x.shape(), x.dtype());
         let out_shape = burn::tensor::Shape::new([batch, t, block.down.features().1]);
         let has_delta = delta.is_some();

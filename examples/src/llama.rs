@@ -212,9 +212,10 @@ pub struct Llama<B: Backend> {
     pub heads: usize,
     pub kv_heads: usize,
     /// Run each block with fused projections, seen by no observer, as the library's
-    /// `decoder_block` (one operation on burn-cuda where its linears are SlideSparse or
-    /// quantized, instead of eight: each step and each linear apart). `false` runs them
-    /// apart (to measure the difference).
+    /// `decoder_block`: one operation on burn-cuda where its linears are SlideSparse or
+    /// quantized, the tensors bf16 or f16 and the head dim 64 or 128 (otherwise its steps
+    /// and linears in turn, up to eight). `false` runs each step and each linear as an
+    /// operation of its own (to measure the difference).
     #[module(skip)]
     pub composed_steps: bool,
 }

@@ -309,6 +309,20 @@ fn a_decoder_block_is_the_pre_norm_block() {
             matches!(err, SlideSparseError::ShapeMismatch { .. }),
             "{err}"
         );
+        // A norm after the attention that does not fit: refused before the cache is written.
+        let wide_norm = RmsNormConfig::new(hidden + 8).init::<Cpu>(&device);
+        let misfit_block = DecoderBlock {
+            mlp_norm: &wide_norm,
+            ..block
+        };
+        let x = (random([2, 5, hidden]), None);
+        let err = decoder_block(x, &misfit_block, &mut keys, &mut values, step(&rope, 3));
+        let err = err.unwrap_err();
+        assert!(
+            matches!(err, SlideSparseError::ShapeMismatch { .. }),
+            "{err}"
+        );
         assert_eq!(max_diff(keys, cache()), 0.0, "{kind}: cache untouched");
+        assert_eq!(max_diff(values, cache()), 0.0, "{kind}: cache untouched");
     }
 }
