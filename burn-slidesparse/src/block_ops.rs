@@ -377,17 +377,14 @@ fn check_decoder_block<B: SlideSparseBackend>(
     check_linear_input(block.qkv, hidden)?;
     let d = check_rope_attention([batch, t, block.qkv.features().1], keys, values, step)?;
     check_linear_input(block.o, step.heads.0 * d)?;
-    let same = |what: &'static str, got: usize| {
-        if got == hidden {
-            Ok(())
-        } else {
-            Err(SlideSparseError::shape(what, hidden, got))
-        }
-    };
-    same(
-        "the o projection's output width (the hidden size)",
-        block.o.features().1,
-    )?;
+    let o_out = block.o.features().1;
+    if o_out != hidden {
+        return Err(SlideSparseError::shape(
+            "the o projection's output width (the hidden size)",
+            hidden,
+            o_out,
+        ));
+    }
     check_linear_input(block.gate_up, hidden)?;
     let gate_up = block.gate_up.features().1;
     if !gate_up.is_multiple_of(2) {
