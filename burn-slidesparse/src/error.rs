@@ -294,6 +294,17 @@ pub enum SlideSparseError {
         message: String,
     },
 
+    /// An NCCL call of a tensor-parallel collective failed.
+    #[error("NCCL {call} failed with status {status}: {message}")]
+    Nccl {
+        /// The entry point, e.g. `ncclAllReduce`.
+        call: &'static str,
+        /// The `ncclResult_t`.
+        status: i32,
+        /// `ncclGetErrorString` of the status.
+        message: String,
+    },
+
     /// A request to cubecl (its device thread, its memory pool) failed.
     #[error("cubecl {what}: {detail}")]
     Cubecl {

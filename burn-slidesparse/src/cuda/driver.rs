@@ -19,6 +19,20 @@ pub fn cuda_driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// How many CUDA devices the driver sees, or [`SlideSparseError::NoGpu`] where there is no
+/// driver.
+pub fn device_count() -> Result<usize> {
+    if !cuda_driver_present() {
+        return Err(SlideSparseError::NoGpu(
+            "the CUDA driver library (libcuda.so) is not installed".into(),
+        ));
+    }
+    cu::init().map_err(|e| SlideSparseError::NoGpu(format!("cuInit failed: {e:?}")))?;
+    let count = cu::device::get_count()
+        .map_err(|e| SlideSparseError::NoGpu(format!("cuDeviceGetCount failed: {e:?}")))?;
+    Ok(count.max(0) as usize)
+}
+
 /// Device `index`, or [`SlideSparseError::NoGpu`] saying why there is none: no driver library
 /// (cudarc would panic on the first driver call), no device, or an index past the last one.
 pub fn cuda_device(index: usize) -> Result<sys::CUdevice> {

@@ -16,7 +16,8 @@
 //!    `ordering` (per-thread lanes; the GEMM on burn's stream), `launch` (kernel launches);
 //! 4. `state` (per-device state), `memory` (allocations checked against free memory);
 //! 5. `gemm` (the two library GEMMs behind one trait), `pipeline` (the one forward:
-//!    quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once);
+//!    quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once), [`collective`]
+//!    (NCCL's all-reduce and all-gather on burn's streams: tensor-parallel ranks);
 //! 6. the benchmark tool `gate`.
 
 /// Declares modules that are private, or public (doc-hidden) with the `internals` feature
@@ -93,6 +94,7 @@ macro_rules! library_bindings {
     };
 }
 
+pub mod collective;
 pub mod config;
 
 internal_modules!(
@@ -125,8 +127,9 @@ pub type CudaPrepared = pipeline::GpuLayer<gemm::SparseGemm>;
 /// A dense quantized baseline layer prepared on the GPU (cuBLASLt).
 pub type DenseLayerGpu = pipeline::GpuLayer<gemm::DenseGemm>;
 
+pub use collective::NcclRanks;
 pub use config::{Config, GraphMode, Settings, SyncMode};
-pub use driver::cuda_driver_present;
+pub use driver::{cuda_driver_present, device_count};
 
 /// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of
 /// activations and outputs; bf16 gives 16-bit GEMM accumulators).

@@ -3,8 +3,8 @@
 //! NCCL and nothing links against it at build time.
 //!
 //! Only the library and its entry points are here: finding it (`SLIDESPARSE_NCCL`, the
-//! loader path, the pip folders), binding the calls an all-reduce on burn's stream needs,
-//! and a typed error naming what was searched. cudarc's `nccl` feature is not used: its
+//! loader path, the pip folders), binding the calls the collectives on burn's stream need
+//! (`collective.rs`), and typed errors naming what was searched or what failed. cudarc's `nccl` feature is not used: its
 //! loader searches bare library names only (not `libnccl.so.2`, the one file NVIDIA's pip
 //! wheel ships) and panics when none loads.
 
@@ -61,6 +61,7 @@ library_bindings! {
         ncclCommDestroy: fn(Comm) -> NcclResult;
         ncclCommGetAsyncError: fn(Comm, *mut NcclResult) -> NcclResult;
         ncclAllReduce: fn(*const c_void, *mut c_void, usize, i32, i32, Comm, Stream) -> NcclResult;
+        ncclAllGather: fn(*const c_void, *mut c_void, usize, i32, Comm, Stream) -> NcclResult;
         ncclGroupStart: fn() -> NcclResult;
         ncclGroupEnd: fn() -> NcclResult;
     }
@@ -131,6 +132,18 @@ impl Nccl {
     /// Where the library was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// `Ok` for status 0, else [`SlideSparseError::Nccl`] naming `call`.
+    pub fn check(&self, call: &'static str, status: NcclResult) -> Result<()> {
+        if status == 0 {
+            return Ok(());
+        }
+        Err(SlideSparseError::Nccl {
+            call,
+            status,
+            message: self.error_string(status),
+        })
     }
 
     /// NCCL's description of a status.

@@ -1,0 +1,484 @@
+//! NCCL collectives on burn-cuda: the [`Collective`] that tensor-parallel layers combine
+//! their shards' outputs with when every rank is a GPU of this process.
+//!
+//! One process drives every rank (single controller). Each rank's call is queued on
+//! **cubecl's device thread of that rank's GPU**, behind the launches queued before it, and
+//! enqueued there on burn's stream of the calling thread (found once per device and thread,
+//! as for the GEMMs: `ordering.rs`). So every NCCL kernel sits in its stream exactly where
+//! the collective stands in the program, and nothing waits on the host: the caller returns
+//! once every rank's call is queued.
+//!
+//! Two device threads issuing one call each on their own communicator is NCCL's "one
+//! thread per GPU" model, which needs no group calls: each `ncclAllReduce` only launches
+//! its kernel, and the kernels meet on the GPUs. Every rank's queue is flushed after the
+//! calls are queued, so no rank's kernel waits on a peer whose call is still in a queue.
+//!
+//! A call that fails on the device thread cannot reach the caller: its output is filled
+//! with NaN (never a stale result) and the error is returned by the next collective.
+//! Everything that can be checked before queueing (ranks, devices, shapes, dtypes, burn's
+//! streams) is checked for **all** ranks before the first call is queued: a collective
+//! queued on some ranks and not others would leave those ranks' kernels waiting forever.
+
+use std::{
+    collections::HashMap,
+    ffi::c_int,
+    sync::{Arc, Mutex},
+};
+
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_cubecl::{FloatElement, kernel::into_contiguous, tensor::CubeTensor};
+use cubecl::{
+    Runtime as _,
+    cuda::CudaDevice,
+    device::Device,
+    device_handle::DeviceHandle,
+    server::{Binding, ComputeServer},
+    stream_id::StreamId,
+};
+use cudarc::driver::sys;
+
+use super::{
+    CudaBackend,
+    config::config,
+    driver::{cuda_device, device_count},
+    nccl::{Comm, Nccl, data_type, op},
+    ordering::probe_burn_stream,
+    runtime::{Client, Runtime},
+};
+use crate::{
+    error::{Result, SlideSparseError},
+    tensor_parallel::Collective,
+};
+
+type Server = <Runtime as cubecl::Runtime>::Server;
+
+/// The oldest NCCL whose entry points and data types (`ncclBfloat16`) we rely on.
+const MIN_VERSION: i32 = 21800;
+
+/// The GPUs of this process as tensor-parallel ranks, with one NCCL communicator each:
+/// [`Collective`] for burn-cuda's plain backend ([`CudaBackend`]).
+pub struct NcclRanks {
+    nccl: Arc<Nccl>,
+    ranks: Vec<Rank>,
+    /// burn's stream of each rank's device, by rank and cubecl stream (calling thread).
+    streams: Mutex<HashMap<(usize, StreamId), usize>>,
+}
+
+/// One rank: its device, its communicator and the queue of the device's cubecl thread.
+struct Rank {
+    device: usize,
+    comm: Comm,
+    client: Client,
+    queue: DeviceHandle<Server>,
+    /// The error of a call that failed on the device thread, until the next collective.
+    failure: Arc<Mutex<Option<SlideSparseError>>>,
+}
+
+// SAFETY: a communicator is only used by tasks on its own device's cubecl thread, which
+// runs them one at a time (and by `Drop`, through the same queue); the other fields are
+// thread-safe.
+unsafe impl Send for NcclRanks {}
+// SAFETY: as above; `&self` methods only queue tasks and lock the mutexes.
+unsafe impl Sync for NcclRanks {}
+
+impl std::fmt::Debug for NcclRanks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let devices: Vec<usize> = self.ranks.iter().map(|r| r.device).collect();
+        f.debug_struct("NcclRanks")
+            .field("devices", &devices)
+            .field("library", &self.nccl.path())
+            .finish()
+    }
+}
+
+/// Which collective a queued call runs.
+#[derive(Clone, Copy)]
+enum Call {
+    /// Sum of `count` elements over the ranks, into the output.
+    AllReduceSum,
+    /// Every rank's `count` elements, rank-major, into an output `ranks` times as long.
+    AllGather,
+}
+
+/// One rank's queued call: its buffers, size and stream.
+struct Queued {
+    call: Call,
+    input: Binding,
+    output: Binding,
+    /// Elements of the input.
+    count: usize,
+    /// Elements of the output (NaN-filled if the call fails).
+    out_len: usize,
+    dtype: DType,
+    stream_id: StreamId,
+    burn_stream: usize,
+    comm: Comm,
+}
+// SAFETY: cubecl bindings (which keep their memory alive), sizes, and the communicator and
+// stream handles of the rank whose device thread runs the task (see `NcclRanks`).
+unsafe impl Send for Queued {}
+
+impl NcclRanks {
+    /// One rank per CUDA device of `devices` (device indices, rank 0 first), with NCCL
+    /// found as `docs/configuration.md` says.
+    ///
+    /// Errors: no NCCL or one older than 2.18 ([`SlideSparseError::LibraryUnavailable`]);
+    /// no devices, a device named twice (NCCL runs one rank per GPU) or past the last one;
+    /// `ncclCommInitAll` failing ([`SlideSparseError::Nccl`]).
+    pub fn new(devices: &[usize]) -> Result<Self> {
+        check_devices(devices)?;
+        let nccl = Nccl::load(config()?)?;
+        let version = nccl.version()?;
+        if version < MIN_VERSION {
+            return Err(SlideSparseError::LibraryUnavailable {
+                library: "NCCL",
+                detail: format!(
+                    "{} is version {version}; tensor parallelism needs >= {MIN_VERSION} (2.18)",
+                    nccl.path().display()
+                ),
+            });
+        }
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
+        let list: Vec<c_int> = devices.iter().map(|&d| d as c_int).collect();
+        // SAFETY: `comms` has room for one communicator per device of `list`; the devices
+        // exist and are distinct (checked above).
+        let status = unsafe {
+            (nccl.ncclCommInitAll)(comms.as_mut_ptr(), list.len() as c_int, list.as_ptr())
+        };
+        nccl.check("ncclCommInitAll", status)?;
+        let ranks = devices
+            .iter()
+            .zip(comms)
+            .map(|(&index, comm)| {
+                let device = CudaDevice { index };
+                Rank {
+                    device: index,
+                    comm,
+                    client: Runtime::client(&device),
+                    queue: DeviceHandle::new(device.to_id()),
+                    failure: Arc::default(),
+                }
+            })
+            .collect();
+        Ok(Self {
+            nccl: Arc::new(nccl),
+            ranks,
+            streams: Mutex::default(),
+        })
+    }
+
+    /// The CUDA device of every rank, rank 0 first.
+    pub fn devices(&self) -> Vec<usize> {
+        self.ranks.iter().map(|r| r.device).collect()
+    }
+
+    /// burn's stream on `rank`'s device for the calling thread, found once.
+    fn burn_stream(&self, rank: usize) -> Result<usize> {
+        let key = (rank, StreamId::current());
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&stream) = streams.get(&key) {
+            return Ok(stream);
+        }
+        let stream = probe_burn_stream(&self.ranks[rank].client).map_err(|e| {
+            SlideSparseError::Unsupported {
+                what: "NCCL collective".into(),
+                why: format!(
+                    "burn's stream on CUDA device {} could not be found ({e}); the \
+                     collectives are ordered on it and need CUPTI",
+                    self.ranks[rank].device
+                ),
+            }
+        })? as usize;
+        streams.insert(key, stream);
+        Ok(stream)
+    }
+
+    /// The error of an earlier call that failed on a device thread, if any (reported once).
+    fn take_failures(&self) -> Result<()> {
+        for rank in &self.ranks {
+            let failure = rank
+                .failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(error) = failure {
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every rank's tensor (its device, `dims`, a dtype NCCL reduces) and returns
+    /// them contiguous, before anything is queued.
+    fn prepare<F: FloatElement>(
+        &self,
+        what: &str,
+        parts: Vec<Tensor<CudaBackend<F>, 2>>,
+    ) -> Result<Vec<CubeTensor<Runtime>>> {
+        if parts.len() != self.ranks.len() {
+            return Err(SlideSparseError::shape(
+                format!("{what}: tensors (one per rank)"),
+                self.ranks.len(),
+                parts.len(),
+            ));
+        }
+        let dims = parts[0].dims();
+        parts
+            .into_iter()
+            .zip(&self.ranks)
+            .map(|(part, rank)| {
+                if part.dims() != dims {
+                    return Err(SlideSparseError::shape(
+                        format!("{what}: a rank's tensor"),
+                        dims,
+                        part.dims(),
+                    ));
+                }
+                let t = into_contiguous(part.into_primitive().tensor());
+                if t.device.index != rank.device {
+                    return Err(SlideSparseError::shape(
+                        format!("{what}: the CUDA device of a rank's tensor"),
+                        rank.device,
+                        t.device.index,
+                    ));
+                }
+                nccl_type(t.dtype)?;
+                Ok(t)
+            })
+            .collect()
+    }
+
+    /// Queues `call` on every rank (inputs checked by `prepare`), each into a fresh buffer
+    /// of `out_scale` times its input's length, and returns the outputs' handles.
+    fn queue_all(
+        &self,
+        call: Call,
+        inputs: &[CubeTensor<Runtime>],
+        out_scale: usize,
+    ) -> Result<Vec<cubecl::server::Handle>> {
+        self.take_failures()?;
+        let streams = (0..self.ranks.len())
+            .map(|rank| self.burn_stream(rank))
+            .collect::<Result<Vec<_>>>()?;
+        let stream_id = StreamId::current();
+        let mut outputs = Vec::with_capacity(inputs.len());
+        for ((x, rank), burn_stream) in inputs.iter().zip(&self.ranks).zip(streams) {
+            let count = x.meta.shape.num_elements();
+            let out_len = count * out_scale;
+            let output = x.client.empty(out_len * x.dtype.size());
+            let queued = Queued {
+                call,
+                input: x.handle.clone().binding(),
+                output: output.clone().binding(),
+                count,
+                out_len,
+                dtype: x.dtype,
+                stream_id,
+                burn_stream,
+                comm: rank.comm,
+            };
+            let (nccl, failure) = (self.nccl.clone(), rank.failure.clone());
+            rank.queue.submit(move |server: &mut Server| {
+                if let Err(error) = queued.run(&nccl, server) {
+                    *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+                }
+            });
+            outputs.push(output);
+        }
+        // Every rank's call must be issued for any rank's kernel to finish.
+        for rank in &self.ranks {
+            rank.queue.flush_queue();
+        }
+        Ok(outputs)
+    }
+}
+
+impl Queued {
+    /// Runs on the rank's cubecl device thread (context current): resolves the buffers and
+    /// enqueues the NCCL call on burn's stream; fills the output with NaN if that fails.
+    fn run(self, nccl: &Nccl, server: &mut Server) -> Result<()> {
+        let resolve = |server: &mut Server, binding: Binding| {
+            server
+                .get_resource(binding, self.stream_id)
+                .map(|r| r.resource().ptr)
+                .map_err(|e| SlideSparseError::Cubecl {
+                    what: "get_resource (NCCL collective)",
+                    detail: format!("{e:?}"),
+                })
+        };
+        let out = resolve(server, self.output.clone())?;
+        let result = resolve(server, self.input.clone()).and_then(|input| {
+            let dtype = nccl_type(self.dtype)?;
+            let stream = self.burn_stream as *mut std::ffi::c_void;
+            let (input, output) = (
+                input as *const std::ffi::c_void,
+                out as *mut std::ffi::c_void,
+            );
+            // SAFETY: live cubecl allocations of `count` (input) and `out_len` (output)
+            // elements of `dtype`, kept alive by their bindings until this task ends, then
+            // reused only in burn's stream order, behind this call; the communicator is
+            // this device's, used only on this thread.
+            let (call, status) = unsafe {
+                match self.call {
+                    Call::AllReduceSum => (
+                        "ncclAllReduce",
+                        (nccl.ncclAllReduce)(
+                            input,
+                            output,
+                            self.count,
+                            dtype,
+                            op::SUM,
+                            self.comm,
+                            stream,
+                        ),
+                    ),
+                    Call::AllGather => (
+                        "ncclAllGather",
+                        (nccl.ncclAllGather)(input, output, self.count, dtype, self.comm, stream),
+                    ),
+                }
+            };
+            nccl.check(call, status)
+        });
+        if result.is_err() {
+            // SAFETY: `out` holds `out_len` elements of a 2- or 4-byte dtype; burn's stream
+            // is live.
+            unsafe {
+                poison(
+                    out,
+                    self.out_len,
+                    self.dtype,
+                    self.burn_stream as sys::CUstream,
+                )
+            };
+        }
+        result
+    }
+}
+
+impl<F: FloatElement> Collective<CudaBackend<F>> for NcclRanks {
+    fn ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn all_reduce_sum(
+        &self,
+        parts: Vec<Tensor<CudaBackend<F>, 2>>,
+    ) -> Result<Vec<Tensor<CudaBackend<F>, 2>>> {
+        let inputs = self.prepare("all_reduce_sum", parts)?;
+        let outputs = self.queue_all(Call::AllReduceSum, &inputs, 1)?;
+        Ok(inputs
+            .iter()
+            .zip(outputs)
+            .map(|(x, out)| {
+                float(CubeTensor::new_contiguous(
+                    x.client.clone(),
+                    x.device.clone(),
+                    x.meta.shape.clone(),
+                    out,
+                    x.dtype,
+                ))
+            })
+            .collect())
+    }
+
+    fn all_gather(
+        &self,
+        parts: Vec<Tensor<CudaBackend<F>, 2>>,
+    ) -> Result<Vec<Tensor<CudaBackend<F>, 2>>> {
+        let inputs = self.prepare("all_gather", parts)?;
+        let outputs = self.queue_all(Call::AllGather, &inputs, self.ranks.len())?;
+        let ranks = self.ranks.len();
+        Ok(inputs
+            .iter()
+            .zip(outputs)
+            .map(|(x, out)| {
+                let [m, n] = [x.meta.shape[0], x.meta.shape[1]];
+                // NCCL writes rank-major `[R, M, n]`; the layer's output is `[M, R·n]`.
+                let gathered: Tensor<CudaBackend<F>, 3> =
+                    Tensor::from_primitive(TensorPrimitive::Float(CubeTensor::new_contiguous(
+                        x.client.clone(),
+                        x.device.clone(),
+                        Shape::new([ranks, m, n]),
+                        out,
+                        x.dtype,
+                    )));
+                gathered.swap_dims(0, 1).reshape([m, ranks * n])
+            })
+            .collect())
+    }
+}
+
+impl Drop for NcclRanks {
+    fn drop(&mut self) {
+        // Destroyed on each device's thread, behind every call queued there, all ranks at
+        // once (finalizing a communicator waits for its peers' calls).
+        for rank in &self.ranks {
+            let (nccl, comm) = (self.nccl.clone(), rank.comm as usize);
+            rank.queue.submit(move |_server: &mut Server| {
+                // SAFETY: the communicator is destroyed once, after every call queued on it.
+                let _ = unsafe { (nccl.ncclCommDestroy)(comm as Comm) };
+            });
+            rank.queue.flush_queue();
+        }
+        for rank in &self.ranks {
+            let _ = rank.queue.exclusive(|| ());
+        }
+    }
+}
+
+fn float<F: FloatElement>(t: CubeTensor<Runtime>) -> Tensor<CudaBackend<F>, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// The devices as ranks: at least one, each present, none twice.
+fn check_devices(devices: &[usize]) -> Result<()> {
+    let invalid = |detail: String| SlideSparseError::InvalidSplit {
+        layer: "NcclRanks".into(),
+        ranks: devices.len(),
+        detail,
+    };
+    if devices.is_empty() {
+        return Err(invalid("at least one device is needed".into()));
+    }
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            return Err(invalid(format!(
+                "CUDA device {d} is named twice; NCCL runs one rank per GPU ({} present)",
+                device_count()?
+            )));
+        }
+        cuda_device(*d)?;
+    }
+    Ok(())
+}
+
+/// NCCL's data type for a float dtype of burn-cuda.
+fn nccl_type(dtype: DType) -> Result<i32> {
+    match dtype {
+        DType::F32 => Ok(data_type::FLOAT32),
+        DType::BF16 => Ok(data_type::BFLOAT16),
+        DType::F16 => Ok(data_type::FLOAT16),
+        other => Err(SlideSparseError::UnsupportedDtype {
+            name: "NCCL collective input".into(),
+            dtype: format!("{other:?}"),
+            context: "tensor-parallel collectives reduce f32, bf16 or f16".into(),
+        }),
+    }
+}
+
+/// Fills `len` elements of `dtype` at `ptr` with NaN on `stream`.
+///
+/// # Safety
+/// `ptr` is a device allocation of at least `len` elements of `dtype` (2 or 4 bytes) and
+/// `stream` a live stream of its device, with the device's context current.
+unsafe fn poison(ptr: u64, len: usize, dtype: DType, stream: sys::CUstream) {
+    // SAFETY: the caller's contract.
+    let _ = unsafe {
+        match dtype {
+            DType::BF16 => sys::cuMemsetD16Async(ptr, 0x7FC0, len, stream),
+            DType::F16 => sys::cuMemsetD16Async(ptr, 0x7E00, len, stream),
+            _ => sys::cuMemsetD32Async(ptr, 0x7FC0_0000, len, stream),
+        }
+    };
+}

@@ -1,0 +1,249 @@
+//! GPU tests of the NCCL collectives (`NcclRanks`) and of tensor-parallel layers combined by
+//! them, against the CPU-tested simulated ranks on fresh data.
+//!
+//! On one GPU a communicator has one rank: the collectives are the identity (bit for bit),
+//! queued on burn's stream, and a layer "split" over one rank is the layer. With two or more
+//! GPUs, the layers split over every GPU must give what `SimulatedRanks` (the reference
+//! collective, tested in CI) gives for the same shards; those tests say so and return early
+//! where only one GPU is present. Needs an NVIDIA GPU and NCCL (`#[ignore]`d; run with
+//! `--ignored` on the GPU host).
+#![cfg(feature = "cuda")]
+
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_slidesparse::{
+    Collective, PackOptions, PackedLinear, Parallelism, Precision, SimulatedRanks,
+    SlideSparseError, SlideSparseLinear, SparsityPattern, TensorParallelLinear,
+    cuda::{CudaBackend, NcclRanks},
+    pack_linear,
+};
+use cubecl::cuda::CudaDevice;
+use slidesparse_tests::{random_f32, rng};
+
+type Gpu = CudaBackend<f32>;
+type Gpu16 = CudaBackend<half::bf16>;
+
+fn devices() -> Vec<usize> {
+    (0..burn_slidesparse::cuda::device_count().unwrap()).collect()
+}
+
+fn host<B: burn::tensor::backend::Backend>(t: Tensor<B, 2>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+fn on<B: burn::tensor::backend::Backend<Device = CudaDevice>>(
+    values: &[f32],
+    shape: [usize; 2],
+    device: usize,
+    dtype: DType,
+) -> Tensor<B, 2> {
+    Tensor::from_data(
+        TensorData::new(values.to_vec(), shape),
+        (&CudaDevice { index: device }, dtype),
+    )
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn one_rank_collectives_are_the_identity_in_stream_order() {
+    let ranks = NcclRanks::new(&[0]).unwrap();
+    assert_eq!(Collective::<Gpu>::ranks(&ranks), 1);
+    let mut rng = rng(2401);
+    // Many rounds on fresh data, each result used by the next kernel without a host sync and
+    // its input dropped at once: a call out of stream order would read or write reused memory.
+    for round in 0..40 {
+        let (m, n) = (1 + round % 7, 64 * (1 + round % 5));
+        let x = random_f32(&mut rng, m * n);
+        let (reduced, gathered) = if round % 2 == 0 {
+            let a = ranks
+                .all_reduce_sum(vec![on::<Gpu>(&x, [m, n], 0, DType::F32)])
+                .unwrap();
+            let g = ranks
+                .all_gather(vec![on::<Gpu>(&x, [m, n], 0, DType::F32)])
+                .unwrap();
+            (host(a[0].clone() * 2.0), host(g[0].clone() * 2.0))
+        } else {
+            let a = ranks
+                .all_reduce_sum(vec![on::<Gpu16>(&x, [m, n], 0, DType::BF16)])
+                .unwrap();
+            let g = ranks
+                .all_gather(vec![on::<Gpu16>(&x, [m, n], 0, DType::BF16)])
+                .unwrap();
+            (host(a[0].clone() * 2.0), host(g[0].clone() * 2.0))
+        };
+        let expected: Vec<f32> = if round % 2 == 0 {
+            x.iter().map(|v| v * 2.0).collect()
+        } else {
+            x.iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32() * 2.0)
+                .collect()
+        };
+        assert_eq!(
+            bits(&reduced),
+            bits(&expected),
+            "all_reduce_sum, round {round}"
+        );
+        assert_eq!(
+            bits(&gathered),
+            bits(&expected),
+            "all_gather, round {round}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn bad_ranks_are_typed_errors() {
+    let twice = NcclRanks::new(&[0, 0]).unwrap_err();
+    assert!(
+        matches!(&twice, SlideSparseError::InvalidSplit { detail, .. } if detail.contains("named twice")),
+        "{twice}"
+    );
+    let past = NcclRanks::new(&[0, 999]).unwrap_err();
+    assert!(matches!(past, SlideSparseError::NoGpu(_)), "{past}");
+    assert!(NcclRanks::new(&[]).is_err());
+
+    let ranks = NcclRanks::new(&[0]).unwrap();
+    let x = on::<Gpu>(&[1.0; 8], [2, 4], 0, DType::F32);
+    let two = ranks
+        .all_reduce_sum(vec![x.clone(), x.clone()])
+        .unwrap_err();
+    assert!(
+        matches!(two, SlideSparseError::ShapeMismatch { .. }),
+        "{two}"
+    );
+}
+
+/// A 6:8 INT8 layer with a bias, `K` and `out` splittable over `ranks`.
+fn layer(seed: u64, ranks: usize, k: usize, out: usize) -> PackedLinear {
+    let mut rng = rng(seed);
+    let w = random_f32(&mut rng, out * k);
+    let b = random_f32(&mut rng, out);
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    assert_eq!(k % (ranks * 8), 0);
+    pack_linear("layer.weight", &w, out, k, Some(&b), &options)
+        .unwrap()
+        .0
+}
+
+/// Every rank's output of a tensor-parallel layer over `devices`: NCCL's against the
+/// simulated ranks' (same shards, same partial outputs: sums of two are exact in any order).
+fn check_split_over(devices: &[usize], parallelism: Parallelism) {
+    let ranks = devices.len();
+    let (m, k, out) = (5, 1024, 768);
+    let packed = layer(2402 + ranks as u64, ranks, k, out);
+    let cuda: Vec<CudaDevice> = devices.iter().map(|&index| CudaDevice { index }).collect();
+    let tp = TensorParallelLinear::<Gpu>::from_packed(&packed, parallelism, &cuda).unwrap();
+    let nccl = NcclRanks::new(devices).unwrap();
+    let simulated = SimulatedRanks::new(ranks).unwrap();
+    let x = random_f32(&mut rng(2403), m * k);
+    let input = || on::<Gpu>(&x, [m, k], devices[0], DType::F32);
+    let over_nccl = tp.forward_ranks(input(), &nccl).unwrap();
+    let reference = tp.forward_ranks(input(), &simulated).unwrap();
+    let whole = SlideSparseLinear::<Gpu>::from_packed(&packed, &cuda[0]).forward(input());
+    let whole = host(whole);
+    for (rank, (a, b)) in over_nccl.into_iter().zip(reference).enumerate() {
+        assert_eq!(a.device(), cuda[rank], "{parallelism} rank {rank}");
+        let (a, b) = (host(a), host(b));
+        let max_diff = a
+            .iter()
+            .zip(&b)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0, f32::max);
+        if ranks <= 2 {
+            assert_eq!(bits(&a), bits(&b), "{parallelism} rank {rank} of {ranks}");
+        } else {
+            assert!(max_diff <= 1e-4, "{parallelism} rank {rank}: {max_diff}");
+        }
+        // Column-parallel and one rank are the layer itself (same codes); row-parallel
+        // INT8 quantizes each slice on its own (`docs/decisions/tensor-parallel.md`).
+        if parallelism == Parallelism::Column || ranks == 1 {
+            assert_eq!(
+                bits(&a),
+                bits(&whole),
+                "{parallelism} rank {rank} vs the layer"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn a_layer_over_one_rank_is_the_layer() {
+    for parallelism in [Parallelism::Column, Parallelism::Row] {
+        check_split_over(&[0], parallelism);
+    }
+}
+
+#[test]
+#[ignore = "needs two NVIDIA GPUs and NCCL"]
+fn layers_split_over_every_gpu_match_the_simulated_ranks() {
+    let devices = devices();
+    if devices.len() < 2 {
+        eprintln!("one GPU: nothing split over GPUs (the one-rank tests ran)");
+        return;
+    }
+    for parallelism in [Parallelism::Column, Parallelism::Row] {
+        check_split_over(&devices, parallelism);
+        check_split_over(&devices[..2], parallelism);
+    }
+}
+
+#[test]
+#[ignore = "needs two NVIDIA GPUs and NCCL"]
+fn all_reduce_over_every_gpu_sums_in_bf16_and_f32() {
+    let devices = devices();
+    if devices.len() < 2 {
+        eprintln!("one GPU: no sum over GPUs (the one-rank tests ran)");
+        return;
+    }
+    let nccl = NcclRanks::new(&devices).unwrap();
+    let mut rng = rng(2404);
+    let (m, n) = (3, 4096);
+    // Small integers: every partial sum is exact in bf16 and f32, in any order.
+    let parts: Vec<Vec<f32>> = devices
+        .iter()
+        .map(|_| {
+            (0..m * n)
+                .map(|_| (rand::Rng::random_range(&mut rng, -8i32..=8)) as f32)
+                .collect()
+        })
+        .collect();
+    let sum: Vec<f32> = (0..m * n)
+        .map(|i| parts.iter().map(|p| p[i]).sum())
+        .collect();
+    let f32s = parts
+        .iter()
+        .zip(&devices)
+        .map(|(p, &d)| on::<Gpu>(p, [m, n], d, DType::F32))
+        .collect();
+    for (rank, t) in nccl.all_reduce_sum(f32s).unwrap().into_iter().enumerate() {
+        assert_eq!(host(t), sum, "f32 rank {rank}");
+    }
+    let bf16s = parts
+        .iter()
+        .zip(&devices)
+        .map(|(p, &d)| on::<Gpu16>(p, [m, n], d, DType::BF16))
+        .collect();
+    for (rank, t) in nccl.all_reduce_sum(bf16s).unwrap().into_iter().enumerate() {
+        assert_eq!(host(t), sum, "bf16 rank {rank}");
+    }
+    let gathered: Vec<f32> = (0..m)
+        .flat_map(|row| {
+            parts
+                .iter()
+                .flat_map(move |p| p[row * n..(row + 1) * n].to_vec())
+        })
+        .collect();
+    let f32s = parts
+        .iter()
+        .zip(&devices)
+        .map(|(p, &d)| on::<Gpu>(p, [m, n], d, DType::F32))
+        .collect();
+    for (rank, t) in nccl.all_gather(f32s).unwrap().into_iter().enumerate() {
+        assert_eq!(host(t), gathered, "all_gather rank {rank}");
+    }
+}
