@@ -28,13 +28,14 @@ use std::{collections::BTreeMap, time::Instant};
 
 use burn::{
     module::{Module, ModuleVisitor, Param},
-    tensor::{Distribution, Int, Tensor, backend::Backend},
+    tensor::{Distribution, Int, Tensor, TensorData, backend::Backend},
 };
 use burn_slidesparse::{
-    DEFAULT_ALIGNMENT, PackOptions, PackedLinear, Precision, QuantizedLinear, QuantizedWeight,
-    SlideSparseBackend, SlideSparseLinear, SparsityPattern, VisitLinears, WeightCodes,
+    Collective, DEFAULT_ALIGNMENT, PackOptions, PackedLinear, Precision, QuantizedLinear,
+    QuantizedWeight, SimulatedRanks, SlideSparseBackend, SlideSparseLinear, SparsityPattern,
+    VisitLinears, WeightCodes,
     cuda::{
-        CudaBackend, CudaFusionBackend,
+        CudaBackend, CudaDevice, CudaFusionBackend, NcclRanks, device_count,
         driver::profiler_range,
         memory::{MemoryReport, graph_report, memory_report, release_free_memory},
     },
@@ -42,7 +43,10 @@ use burn_slidesparse::{
 };
 use clap::Parser;
 use half::bf16;
-use slidesparse_examples::llama::{KvCache, Llama, LlamaConfig};
+use slidesparse_examples::{
+    llama::{KvCache, Llama, LlamaConfig},
+    tensor_parallel::{TensorParallelCache, TensorParallelLlama},
+};
 
 /// burn-cuda with fusion (the default), bf16 activations.
 type Gpu = CudaFusionBackend<bf16>;
@@ -109,6 +113,16 @@ struct Args {
     /// INT8 layer, as the block linears of the dense INT8 baseline). Untied heads only.
     #[arg(long, default_value = "bf16")]
     head: String,
+    /// Split every variant over this many GPUs (devices 0..R, NCCL; random weights, plain
+    /// backend): the split model and the one-GPU model are timed alternately in this
+    /// process, after a check of their logits against each other.
+    #[arg(long)]
+    tensor_parallel: Option<usize>,
+    /// With `--tensor-parallel`: every rank on GPU 0, combined by the simulated collective
+    /// (tensor operations). Checks the split model on one GPU; its times are not those of
+    /// tensor parallelism.
+    #[arg(long)]
+    tp_simulate: bool,
 }
 
 /// The shapes of a named model with `layers` blocks.
@@ -436,6 +450,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         check_against_the_cpu::<Gpu>()?;
         check_against_the_cpu::<Plain>()?;
     }
+    if let Some(ranks) = args.tensor_parallel {
+        return run_tensor_parallel(&args, ranks);
+    }
     match args.backend.as_str() {
         "fusion" => run::<Gpu>(&args),
         "plain" => run::<Plain>(&args),
@@ -461,8 +478,8 @@ fn run_both(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let vocab = config.vocab_size;
     let mut rows = Vec::new();
     for variant in args.variants.split(',').map(str::trim) {
-        let fused = build_random::<Gpu>(args, &config, variant)?;
-        let plain = build_random::<Plain>(args, &config, variant)?;
+        let fused = build_random::<Gpu>(args, &config, variant, true)?;
+        let plain = build_random::<Plain>(args, &config, variant, true)?;
         for t in list(&args.prefill) {
             let device = Default::default();
             let tokens = (
@@ -497,6 +514,212 @@ fn run_both(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("| {variant} | {what} | {f:.3} | {p:.3} | {:.3} |", f / p);
     }
     Ok(())
+}
+
+/// `--tensor-parallel R`: every variant built once with separate projections, split over
+/// `R` ranks, then fused and prepared as the one-GPU model; the split model's logits
+/// checked against the one-GPU model's, then every workload timed alternately on the two.
+fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::error::Error>> {
+    if args.weights != "random" || args.backend != "plain" || args.json.is_some() {
+        return Err(
+            "--tensor-parallel needs --weights random and --backend plain (the \
+                    collectives are those of burn-cuda's plain backend), and no --json"
+                .into(),
+        );
+    }
+    if args.compare_apart || args.profile_decode || args.separate {
+        return Err("--tensor-parallel: drop --compare-apart, --profile-decode, --separate".into());
+    }
+    let present = device_count()?;
+    if !args.tp_simulate && ranks > present {
+        return Err(format!(
+            "--tensor-parallel {ranks}: {present} GPU(s) present (--tp-simulate puts every \
+             rank on GPU 0)"
+        )
+        .into());
+    }
+    let indices: Vec<usize> = match args.tp_simulate {
+        true => vec![0; ranks],
+        false => (0..ranks).collect(),
+    };
+    let devices: Vec<CudaDevice> = indices.iter().map(|&index| CudaDevice { index }).collect();
+    let config = config(&args.model, args.layers)?;
+    let mut rows = Vec::new();
+    let nccl = match args.tp_simulate {
+        true => None,
+        false => Some(NcclRanks::new(&indices)?),
+    };
+    for variant in args.variants.split(',').map(str::trim) {
+        let started = Instant::now();
+        let mut single = build_random::<Plain>(args, &config, variant, false)?;
+        let split = TensorParallelLlama::split(&single, &devices)?;
+        single.fuse_projections()?;
+        prepare_all(&mut single)?;
+        eprintln!(
+            "{variant}: built, split over {ranks} and prepared in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        let timed = match &nccl {
+            Some(nccl) => time_split(args, variant, (&single, &split), nccl, &devices)?,
+            None => {
+                let simulated = SimulatedRanks::new(ranks)?;
+                time_split(args, variant, (&single, &split), &simulated, &devices)?
+            }
+        };
+        rows.extend(timed);
+    }
+    let how = match args.tp_simulate {
+        true => format!("{ranks} simulated ranks on GPU 0 (not tensor parallelism)"),
+        false => format!("{ranks} GPUs over NCCL"),
+    };
+    println!(
+        "\n{} with {} blocks, bf16 activations, plain backend; one GPU and {how} alternately \
+         in one process: median ms (whole model)",
+        args.model, args.layers
+    );
+    println!(
+        "| variant | workload | 1 GPU ms | {ranks} ranks ms | speedup | tok/s 1 GPU | tok/s {ranks} ranks |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (variant, what, tokens, one, split) in rows {
+        let rate = |ms: f64| tokens as f64 / ms * 1e3;
+        println!(
+            "| {variant} | {what} | {one:.3} | {split:.3} | {:.2}x | {:.0} | {:.0} |",
+            one / split,
+            rate(one),
+            rate(split)
+        );
+    }
+    Ok(())
+}
+
+/// `(variant, workload, tokens per call, 1-GPU ms, split ms)`.
+type SplitRow = (String, String, usize, f64, f64);
+
+/// One variant's rows `(variant, workload, tokens, 1-GPU ms, split ms)`: first the logits
+/// of a 16-token prompt on both (an error past 5% relative L2: the row-parallel INT8/FP8
+/// ranks quantize their slices on their own), then every workload alternately.
+fn time_split(
+    args: &Args,
+    variant: &str,
+    (single, split): (&Llama<Plain>, &TensorParallelLlama<Plain>),
+    collective: &impl Collective<Plain>,
+    devices: &[CudaDevice],
+) -> Result<Vec<SplitRow>, Box<dyn std::error::Error>> {
+    let vocab = single.embed.weight.dims()[0];
+    let sync = || -> Result<(), Box<dyn std::error::Error>> {
+        for device in devices {
+            Plain::sync(device)?;
+        }
+        Ok(())
+    };
+    let prompt = host_tokens(1, 16, vocab, 1);
+    let want = single.forward_last(
+        Tensor::from_data(prompt.clone(), &devices[0]),
+        &mut KvCache::default(),
+    );
+    let got = split.forward_last(&prompt, &mut split.cache(1, 16), collective)?;
+    let read = |t: Tensor<Plain, 2>| t.into_data().convert::<f32>().into_vec::<f32>();
+    let error = relative_l2(&read(want)?, &read(got)?);
+    eprintln!(
+        "{variant}: split over {} ranks: logits relative L2 {error:.2e}",
+        devices.len()
+    );
+    if error.is_nan() || error > 0.05 {
+        return Err(
+            format!("{variant}: the split model's logits are off: relative L2 {error}").into(),
+        );
+    }
+    let mut rows = Vec::new();
+    for t in list(&args.prefill) {
+        let tokens = host_tokens(1, t, vocab, 2);
+        let on_device = Tensor::from_data(tokens.clone(), &devices[0]);
+        let (one, many) = alternate(
+            args.reps,
+            || prefill_once(single, &on_device),
+            || {
+                let start = Instant::now();
+                let mut cache = split.cache(1, t);
+                let _ = split
+                    .forward_last(&tokens, &mut cache, collective)
+                    .expect("split prefill");
+                sync().expect("sync");
+                drop(cache);
+                start.elapsed().as_secs_f64() * 1e3
+            },
+        );
+        rows.push((variant.to_string(), format!("prefill {t}"), t, one, many));
+    }
+    for b in list(&args.decode_batch) {
+        let mut one = Decoder::new(single, (b, args.context), args.steps, vocab);
+        let mut many = SplitDecoder::new(split, collective, (b, args.context), args.steps, vocab)?;
+        sync()?;
+        let (one, many) = alternate(args.reps, || one.run(false), || many.run(&sync));
+        rows.push((variant.to_string(), format!("decode {b}"), b, one, many));
+    }
+    Ok(rows)
+}
+
+/// `[batch, t]` token ids on the host (every rank uploads its copy).
+fn host_tokens(batch: usize, t: usize, vocab: usize, seed: u64) -> TensorData {
+    let mut noise = Noise(0x9E37_79B9_7F4A_7C15 ^ seed);
+    let ids: Vec<i64> = (0..batch * t)
+        .map(|_| (noise.next() % vocab as u64) as i64)
+        .collect();
+    TensorData::new(ids, [batch, t])
+}
+
+/// [`Decoder`] for the split model.
+struct SplitDecoder<'m, C: Collective<Plain>> {
+    model: &'m TensorParallelLlama<Plain>,
+    collective: &'m C,
+    cache: TensorParallelCache<Plain>,
+    tokens: Vec<TensorData>,
+    context: usize,
+}
+
+impl<'m, C: Collective<Plain>> SplitDecoder<'m, C> {
+    fn new(
+        model: &'m TensorParallelLlama<Plain>,
+        collective: &'m C,
+        (b, context): (usize, usize),
+        steps: usize,
+        vocab: usize,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let tokens = (0..steps)
+            .map(|i| host_tokens(b, 1, vocab, 100 + i as u64))
+            .collect();
+        let mut cache = model.cache(b, context + steps);
+        let chunk = (16_384 / b).max(1);
+        let mut done = 0;
+        while done < context {
+            let t = chunk.min(context - done);
+            model.forward_last(&host_tokens(b, t, vocab, 3), &mut cache, collective)?;
+            done += t;
+        }
+        Ok(Self {
+            model,
+            collective,
+            cache,
+            tokens,
+            context,
+        })
+    }
+
+    /// Ms per step of the steps back to back from the context (every device synced at the
+    /// end).
+    fn run(&mut self, sync: &impl Fn() -> Result<(), Box<dyn std::error::Error>>) -> f64 {
+        self.cache.truncate(self.context);
+        let start = Instant::now();
+        for tokens in &self.tokens {
+            let _ = self
+                .model
+                .forward_last(tokens, &mut self.cache, self.collective)
+                .expect("split decode step");
+        }
+        sync().expect("sync");
+        start.elapsed().as_secs_f64() * 1e3 / self.tokens.len() as f64
+    }
 }
 
 /// Medians of `reps` runs of `a` and of `b` taken in turn (`a`, `b`, `a`, ...), after one
@@ -691,6 +914,7 @@ fn build_random<B: SlideSparseBackend>(
     args: &Args,
     config: &LlamaConfig,
     variant: &str,
+    fuse: bool,
 ) -> Result<Llama<B>, Box<dyn std::error::Error>> {
     let device = Default::default();
     let mut model = if variant == "head-only" {
@@ -708,10 +932,10 @@ fn build_random<B: SlideSparseBackend>(
     // burn initializes parameters lazily, on first use: materialize them all (the bf16
     // linears, embeddings and head) so that the report counts the whole model.
     model.visit(&mut Materialize);
-    if !args.separate {
+    if fuse {
         model.fuse_projections()?;
+        prepare_all(&mut model)?;
     }
-    prepare_all(&mut model)?;
     // Fusion creates tensors lazily: run what is queued before reading the allocator.
     B::sync(&device)?;
     Ok(model)
@@ -730,7 +954,7 @@ fn run_random<B: SlideSparseBackend>(
     variants.extend(args.variants.split(',').map(|s| s.trim().to_string()));
     for variant in &variants {
         let started = Instant::now();
-        let mut model = build_random::<B>(args, config, variant)?;
+        let mut model = build_random::<B>(args, config, variant, !args.separate)?;
         let report = memory_report(&Default::default())?;
         eprintln!(
             "{variant}: built and prepared in {:.1} s; allocator in use {:.0} MiB, reserved {:.0} MiB, driver used {:.0} MiB",

@@ -404,7 +404,9 @@ impl SlideSparseError {
         }
     }
 
-    pub(crate) fn shape(
+    /// [`SlideSparseError::ShapeMismatch`]: `what` expected `expected`, got `actual`
+    /// (both written with `{:?}`).
+    pub fn shape(
         what: impl Into<String>,
         expected: impl std::fmt::Debug,
         actual: impl std::fmt::Debug,

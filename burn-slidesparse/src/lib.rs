@@ -79,7 +79,7 @@ pub use swap::{
     MaybeSparseLinear, VisitLinears, load_file, load_packed, load_packed_file, load_record,
     mask_with, prepare_all, quantize_dense, sparsify, sparsify_with,
 };
-pub use tensor_parallel::{Collective, SimulatedRanks, TensorParallelLinear};
+pub use tensor_parallel::{Collective, SimulatedRanks, TensorParallelLinear, shard_linear};
 
 /// What `impl_reference_backend!` expands to; not an API.
 #[doc(hidden)]

@@ -15,7 +15,7 @@ use crate::{
     backend::{DenseTensors, PreparedSlot, SlideSparseBackend},
     codes::WeightCodesModule,
     error::Result,
-    module::{LinearOnHost, float_param, on_rows, prepared_key},
+    module::{LinearOnHost, float_param, on_rows, prepared_key, to_vec_f32},
     quant::{Precision, QuantizedWeight, quantize_weight},
 };
 
@@ -85,6 +85,16 @@ impl<B: Backend> QuantizedLinear<B> {
             host.bias.as_deref(),
             &host.device,
         ))
+    }
+
+    /// The layer's weight (codes from the host) and bias (read from the device, which
+    /// synchronizes): what [`from_quantized`](Self::from_quantized) takes.
+    pub fn to_quantized(&self) -> Result<(QuantizedWeight, Option<Vec<f32>>)> {
+        let bias = match &self.bias {
+            Some(b) => Some(to_vec_f32(b.val().into_data(), "bias")?),
+            None => None,
+        };
+        Ok((QuantizedWeight::clone(self.weight.weight()), bias))
     }
 
     fn dense_tensors(&self) -> DenseTensors<B> {

@@ -24,6 +24,7 @@ use crate::{
     quant::QuantizedWeight,
     quantized::QuantizedLinear,
     shard::{Parallelism, input_range, shard_packed, shard_quantized},
+    swap::MaybeSparseLinear,
 };
 
 /// The collectives tensor-parallel layers need, over the ranks of one process. Each takes
@@ -290,4 +291,101 @@ impl<B: SlideSparseBackend> TensorParallelLinear<B> {
             },
         )
     }
+}
+
+/// Splits a layer of a model over `devices` (rank 0 first): one shard per rank, on its
+/// device, each a complete layer (what a tensor-parallel model's ranks hold; the caller
+/// combines their outputs with a [`Collective`]). `name` is the layer's name in errors.
+///
+/// SlideSparse layers split as [`shard_packed`], dense quantized ones as
+/// [`shard_quantized`], `nn::Linear` the same way on its weight (`[in, out]`: columns of it
+/// for column-parallel, rows for row-parallel; the bias with its channels, or on rank 0).
+/// Masked (training) layers are an error: split after packing.
+pub fn shard_linear<B: Backend>(
+    layer: &MaybeSparseLinear<B>,
+    name: &str,
+    parallelism: Parallelism,
+    devices: &[B::Device],
+) -> Result<Vec<MaybeSparseLinear<B>>> {
+    let ranks = devices.len();
+    match layer {
+        MaybeSparseLinear::Sparse(l) => Ok(shard_packed(&l.to_packed(name)?, parallelism, ranks)?
+            .into_iter()
+            .zip(devices)
+            .map(|(shard, device)| SlideSparseLinear::from_packed_owned(shard, device).into())
+            .collect()),
+        MaybeSparseLinear::Quantized(l) => {
+            let (weight, bias) = l.to_quantized()?;
+            Ok(
+                shard_quantized(name, &weight, bias.as_deref(), parallelism, ranks)?
+                    .into_iter()
+                    .zip(devices)
+                    .map(|(shard, device)| {
+                        QuantizedLinear::from_quantized_owned(
+                            shard.weight,
+                            shard.bias.as_deref(),
+                            device,
+                        )
+                        .into()
+                    })
+                    .collect(),
+            )
+        }
+        MaybeSparseLinear::Dense(l) => shard_dense(l, name, parallelism, devices),
+        MaybeSparseLinear::Masked(_) => Err(SlideSparseError::InvalidSplit {
+            layer: name.into(),
+            ranks,
+            detail: "a masked (training) layer is not split; pack it first".into(),
+        }),
+    }
+}
+
+/// [`shard_linear`] of an `nn::Linear` (weight `[in, out]`).
+fn shard_dense<B: Backend>(
+    layer: &burn::nn::Linear<B>,
+    name: &str,
+    parallelism: Parallelism,
+    devices: &[B::Device],
+) -> Result<Vec<MaybeSparseLinear<B>>> {
+    use burn::module::Param;
+    let ranks = devices.len();
+    let [k, out] = layer.weight.dims();
+    let invalid = |what: &str, n: usize| SlideSparseError::InvalidSplit {
+        layer: name.into(),
+        ranks,
+        detail: format!("{what} {n} is not a multiple of {ranks}"),
+    };
+    if ranks == 0 {
+        return Err(SlideSparseError::InvalidSplit {
+            layer: name.into(),
+            ranks,
+            detail: "at least one rank is needed".into(),
+        });
+    }
+    let (axis, width) = match parallelism {
+        Parallelism::Column if out % ranks == 0 => (1, out / ranks),
+        Parallelism::Column => return Err(invalid("out", out)),
+        Parallelism::Row if k % ranks == 0 => (0, k / ranks),
+        Parallelism::Row => return Err(invalid("K", k)),
+    };
+    Ok(devices
+        .iter()
+        .enumerate()
+        .map(|(r, device)| {
+            let weight = layer
+                .weight
+                .val()
+                .narrow(axis, r * width, width)
+                .to_device(device);
+            let bias = layer.bias.as_ref().and_then(|b| match parallelism {
+                Parallelism::Column => Some(b.val().narrow(0, r * width, width).to_device(device)),
+                Parallelism::Row => (r == 0).then(|| b.val().to_device(device)),
+            });
+            burn::nn::Linear {
+                weight: Param::from_tensor(weight),
+                bias: bias.map(Param::from_tensor),
+            }
+            .into()
+        })
+        .collect())
 }

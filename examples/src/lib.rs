@@ -7,6 +7,7 @@ pub mod gguf_llama;
 pub mod hf_llama;
 pub mod llama;
 pub mod sampling;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod train;
 

@@ -129,6 +129,8 @@ pub type DenseLayerGpu = pipeline::GpuLayer<gemm::DenseGemm>;
 
 pub use collective::NcclRanks;
 pub use config::{Config, GraphMode, Settings, SyncMode};
+/// The device of [`CudaBackend`]: `CudaDevice { index }` is GPU `index`.
+pub use cubecl::cuda::CudaDevice;
 pub use driver::{cuda_driver_present, device_count};
 
 /// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of

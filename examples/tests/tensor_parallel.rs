@@ -1,0 +1,207 @@
+//! The example Llama split over tensor-parallel ranks, ranks simulated on the CPU: the same
+//! logits as the whole model (bit for bit on one rank, up to f32 summation order on two and
+//! four for float layers, within the activation-quantization difference for INT8), through
+//! a prompt and cached decode steps; splits that cannot work are typed errors.
+
+use burn::{
+    backend::NdArray,
+    module::Module,
+    tensor::{Int, Tensor, TensorData},
+};
+use burn_slidesparse::{
+    MaybeSparseLinear, PackOptions, Precision, QuantizedLinear, SimulatedRanks, SlideSparseError,
+    SparsityPattern, VisitLinears, sparsify,
+};
+use slidesparse_examples::{
+    llama::{KvCache, Llama, LlamaConfig},
+    tensor_parallel::TensorParallelLlama,
+};
+
+type B = NdArray;
+
+/// 4 query and 4 key/value heads of 8, hidden 32, intermediate 64: splits over 1, 2 and 4
+/// ranks for every pattern of blocks of 8 (`K` multiples of `R · 8`).
+fn config() -> LlamaConfig {
+    LlamaConfig::new(64, 32, 64, 2, 4, 4)
+        .with_max_seq_len(64)
+        .with_tie_embeddings(false)
+}
+
+/// A prompt, then three decode steps.
+const CALLS: [&[i64]; 4] = [&[3, 17, 9, 40, 22, 5], &[11], &[63], &[0]];
+
+fn ids(tokens: &[i64]) -> TensorData {
+    TensorData::new(tokens.to_vec(), [1, tokens.len()])
+}
+
+/// The whole model's logits of every call (projections fused, composed steps).
+fn whole(model: &Llama<B>) -> Vec<Vec<f32>> {
+    let mut model = model.clone();
+    model.fuse_projections().unwrap();
+    let mut cache = KvCache::default();
+    CALLS
+        .iter()
+        .map(|call| {
+            let tokens: Tensor<B, 2, Int> = Tensor::from_data(ids(call), &Default::default());
+            model
+                .forward(tokens, &mut cache)
+                .into_data()
+                .into_vec()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn split(model: &Llama<B>, ranks: usize) -> Vec<Vec<f32>> {
+    let tp = TensorParallelLlama::split(model, &vec![Default::default(); ranks]).unwrap();
+    assert_eq!(tp.ranks(), ranks);
+    let collective = SimulatedRanks::new(ranks).unwrap();
+    let mut cache = tp.cache(1, 16);
+    let out = CALLS
+        .iter()
+        .map(|call| {
+            let logits = tp.forward(&ids(call), &mut cache, &collective).unwrap();
+            assert_eq!(logits.dims(), [1, call.len(), 64]);
+            logits.into_data().into_vec().unwrap()
+        })
+        .collect();
+    assert_eq!(cache.len(), CALLS.iter().map(|c| c.len()).sum::<usize>());
+    out
+}
+
+/// The largest `|a - b| / (1 + |b|)` over every call's logits.
+fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+/// A random model with its parameters materialized (burn initializes them lazily, and a
+/// clone of a lazy parameter would draw its own values).
+fn model(seed: u64) -> Llama<B> {
+    <B as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
+    let record = config().init::<B>(&Default::default()).into_record();
+    config().init::<B>(&Default::default()).load_record(record)
+}
+
+#[test]
+fn float_layers_split_give_the_whole_models_logits() {
+    for (what, options) in [
+        ("dense", None),
+        (
+            "6:8 F32",
+            Some(PackOptions::new(SparsityPattern::P6_8, Precision::F32)),
+        ),
+        (
+            "2:4 BF16",
+            Some(PackOptions::new(SparsityPattern::P2_4, Precision::Bf16)),
+        ),
+    ] {
+        let mut model = model(7);
+        if let Some(options) = &options {
+            sparsify(&mut model, options, |name| name != "lm_head").unwrap();
+        }
+        let reference = whole(&model);
+        // One rank runs the very steps of the whole model: bit for bit.
+        assert_eq!(split(&model, 1), reference, "{what}, one rank");
+        for ranks in [2, 4] {
+            let err = max_rel(&split(&model, ranks), &reference);
+            assert!(err <= 1e-5, "{what}, {ranks} ranks: {err}");
+        }
+    }
+}
+
+#[test]
+fn int8_layers_split_stay_within_the_quantization_difference() {
+    let mut sparse = model(8);
+    let mut dense = sparse.clone();
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    sparsify(&mut sparse, &options, |name| name != "lm_head").unwrap();
+    dense
+        .visit_linears(&mut |name, layer| {
+            if name != "lm_head" {
+                let linear = layer.dense().unwrap().clone();
+                *layer = QuantizedLinear::from_linear(&linear, Precision::Int8)?.into();
+            }
+            Ok(())
+        })
+        .unwrap();
+    for (what, model) in [("6:8 INT8", &sparse), ("dense INT8", &dense)] {
+        let reference = whole(model);
+        assert_eq!(split(model, 1), reference, "{what}, one rank");
+        // Row-parallel ranks quantize their slice of each token with its own scale
+        // (docs/decisions/tensor-parallel.md): close, not equal.
+        let scale = reference
+            .iter()
+            .flatten()
+            .fold(0.0f32, |m, v| m.max(v.abs()));
+        let two = split(model, 2);
+        let worst = two
+            .iter()
+            .flatten()
+            .zip(reference.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            worst <= 0.05 * scale,
+            "{what}: {worst} against logits up to {scale}"
+        );
+        assert_ne!(two, reference, "{what}: the slices' own scales should show");
+    }
+}
+
+fn expect_invalid(result: burn_slidesparse::Result<TensorParallelLlama<B>>, words: &[&str]) {
+    match result {
+        Err(SlideSparseError::InvalidSplit { detail, layer, .. }) => {
+            let text = format!("{layer}: {detail}");
+            for word in words {
+                assert!(text.contains(word), "{text:?} lacks {word:?}");
+            }
+        }
+        other => panic!("expected InvalidSplit, got {other:?}"),
+    }
+}
+
+#[test]
+fn splits_that_cannot_work_are_typed_errors() {
+    let model = model(9);
+    let three = vec![Default::default(); 3];
+    expect_invalid(TensorParallelLlama::split(&model, &three), &["heads"]);
+    expect_invalid(TensorParallelLlama::split(&model, &[]), &["at least one"]);
+    let mut fused = model.clone();
+    fused.fuse_projections().unwrap();
+    let two = vec![Default::default(); 2];
+    expect_invalid(TensorParallelLlama::split(&fused, &two), &["fused"]);
+    // 6:8 blocks of 8: `down` reads K = 64, which splits over 2 and 4 ranks but a
+    // masked (training) layer is not split at all.
+    let mut masked = model.clone();
+    masked.blocks[0]
+        .down
+        .mask(SparsityPattern::P6_8, &Default::default())
+        .unwrap();
+    assert!(matches!(
+        masked.blocks[0].down,
+        MaybeSparseLinear::Masked(_)
+    ));
+    expect_invalid(
+        TensorParallelLlama::split(&masked, &two),
+        &["down_proj", "masked"],
+    );
+
+    let tp = TensorParallelLlama::split(&model, &two).unwrap();
+    let mut cache = tp.cache(1, 4);
+    let collective = SimulatedRanks::new(2).unwrap();
+    let long = tp.forward(&ids(&[1, 2, 3, 4, 5]), &mut cache, &collective);
+    assert!(
+        matches!(long, Err(SlideSparseError::ShapeMismatch { .. })),
+        "{long:?}"
+    );
+    assert_eq!(cache.len(), 0, "a refused call leaves the cache as it was");
+    let wrong = tp.forward(&ids(&[1]), &mut cache, &SimulatedRanks::new(1).unwrap());
+    assert!(
+        matches!(wrong, Err(SlideSparseError::ShapeMismatch { .. })),
+        "{wrong:?}"
+    );
+}
