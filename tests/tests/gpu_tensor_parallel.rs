@@ -58,9 +58,11 @@ fn one_rank_collectives_are_the_identity_in_stream_order() {
         let (m, n) = (1 + round % 7, 64 * (1 + round % 5));
         let x = random_f32(&mut rng, m * n);
         let (reduced, gathered) = if round % 2 == 0 {
-            let a = ranks
-                .all_reduce_sum(vec![on::<Gpu>(&x, [m, n], 0, DType::F32)])
-                .unwrap();
+            // An input the caller still holds goes to a new buffer (fresh ones are reduced
+            // in place, as in the bf16 rounds).
+            let held = on::<Gpu>(&x, [m, n], 0, DType::F32);
+            let a = ranks.all_reduce_sum(vec![held.clone()]).unwrap();
+            drop(held);
             let g = ranks
                 .all_gather(vec![on::<Gpu>(&x, [m, n], 0, DType::F32)])
                 .unwrap();
@@ -215,13 +217,22 @@ fn all_reduce_over_every_gpu_sums_in_bf16_and_f32() {
     let sum: Vec<f32> = (0..m * n)
         .map(|i| parts.iter().map(|p| p[i]).sum())
         .collect();
-    let f32s = parts
+    // Tensors the caller still holds are not reduced in place.
+    let f32s: Vec<Tensor<Gpu, 2>> = parts
         .iter()
         .zip(&devices)
         .map(|(p, &d)| on::<Gpu>(p, [m, n], d, DType::F32))
         .collect();
-    for (rank, t) in nccl.all_reduce_sum(f32s).unwrap().into_iter().enumerate() {
+    for (rank, t) in nccl
+        .all_reduce_sum(f32s.clone())
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
         assert_eq!(host(t), sum, "f32 rank {rank}");
+    }
+    for (rank, (held, part)) in f32s.into_iter().zip(&parts).enumerate() {
+        assert_eq!(&host(held), part, "rank {rank}'s held input");
     }
     let bf16s = parts
         .iter()

@@ -248,8 +248,9 @@ impl NcclRanks {
             .collect()
     }
 
-    /// Queues `call` on every rank (inputs checked by `prepare`), each into a fresh buffer
-    /// of `out_scale` times its input's length, and returns the outputs' handles.
+    /// Queues `call` on every rank (inputs checked by `prepare`), each into a buffer of
+    /// `out_scale` times its input's length (the input itself where that is 1 and nothing
+    /// else holds it), and returns the outputs' handles.
     fn queue_all(
         &self,
         call: Call,
@@ -265,7 +266,12 @@ impl NcclRanks {
         for ((x, rank), burn_stream) in inputs.iter().zip(&self.ranks).zip(streams) {
             let count = x.meta.shape.num_elements();
             let out_len = count * out_scale;
-            let output = x.client.empty(out_len * x.dtype.size());
+            // An all-reduce of a buffer nothing else holds runs in place (NCCL allows it):
+            // no allocation per call.
+            let output = match out_scale == 1 && x.handle.can_mut() {
+                true => x.handle.clone(),
+                false => x.client.empty(out_len * x.dtype.size()),
+            };
             let queued = Queued {
                 call,
                 input: x.handle.clone().binding(),
@@ -285,9 +291,12 @@ impl NcclRanks {
             });
             outputs.push(output);
         }
-        // Every rank's call must be issued for any rank's kernel to finish.
-        for rank in &self.ranks {
-            rank.queue.flush_queue();
+        // Every rank's call must be issued for any rank's kernel to finish (one rank waits
+        // on no peer: its queue is issued in its own time).
+        if self.ranks.len() > 1 {
+            for rank in &self.ranks {
+                rank.queue.flush_queue();
+            }
         }
         Ok(outputs)
     }
