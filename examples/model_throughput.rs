@@ -597,8 +597,10 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
 type SplitRow = (String, String, usize, f64, f64);
 
 /// One variant's rows `(variant, workload, tokens, 1-GPU ms, split ms)`: first the logits
-/// of a 16-token prompt on both (an error past 5% relative L2: the row-parallel INT8/FP8
-/// ranks quantize their slices on their own), then every workload alternately.
+/// of a 16-token prompt on both, then every workload alternately. The logits differ where
+/// row-parallel INT8/FP8 ranks quantize their slices with their own scales (4% relative L2
+/// at 4 blocks of random weights on 2 ranks, growing with depth; 0 on one rank), so only a
+/// difference past 30% is an error: a wrongly split model is off by ~100%.
 fn time_split(
     args: &Args,
     variant: &str,
@@ -625,7 +627,7 @@ fn time_split(
         "{variant}: split over {} ranks: logits relative L2 {error:.2e}",
         devices.len()
     );
-    if error.is_nan() || error > 0.05 {
+    if error.is_nan() || error > 0.3 {
         return Err(
             format!("{variant}: the split model's logits are off: relative L2 {error}").into(),
         );
