@@ -11,6 +11,8 @@ set -u
 OUT=${OUT:-/tmp/slidesparse-out}
 mkdir -p "$OUT"
 export CUDA_PATH=/usr/local/cuda
+# The GPU hosts keep NVLink multicast off in NCCL (it can take shared GPUs out of service).
+export NCCL_NVLS_ENABLE=0
 # cuBLASLt and NVRTC; cuSPARSELt is found by the library's own search (pip location).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export SLIDESPARSE_CACHE_DIR=${SLIDESPARSE_CACHE_DIR:-$OUT/cache}
@@ -36,7 +38,7 @@ save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests; do
+  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests; do
     ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
     echo "$t exit code: $?"
     grep -E "^test |test result|panicked|rel err|error" "$OUT/$t.log" | tail -30
@@ -59,7 +61,10 @@ if [ "$what" = profile ]; then
   python3 scripts/ncu-kernel-summary.py "$OUT/profile.csv"
 fi
 if [ "$what" = model ]; then
-  ./gpu-bin/model_throughput --json "$OUT/model.json" "$@" > "$OUT/model.md" 2> "$OUT/model.err"
+  # `--backend both` and `--tensor-parallel` print their own table and take no --json.
+  json=(--json "$OUT/model.json")
+  case " $* " in *" both "*|*" --tensor-parallel "*) json=() ;; esac
+  ./gpu-bin/model_throughput "${json[@]}" "$@" > "$OUT/model.md" 2> "$OUT/model.err"
   echo "model throughput exit code: $?"
   tail -3 "$OUT/model.err"
   cat "$OUT/model.md"
