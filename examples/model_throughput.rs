@@ -530,6 +530,9 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
     if args.compare_apart || args.profile_decode || args.separate {
         return Err("--tensor-parallel: drop --compare-apart, --profile-decode, --separate".into());
     }
+    if ranks == 0 {
+        return Err("--tensor-parallel: at least one rank".into());
+    }
     let present = device_count()?;
     if !args.tp_simulate && ranks > present {
         return Err(format!(
@@ -538,16 +541,18 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
         )
         .into());
     }
-    let indices: Vec<usize> = match args.tp_simulate {
-        true => vec![0; ranks],
-        false => (0..ranks).collect(),
+    let indices: Vec<usize> = if args.tp_simulate {
+        vec![0; ranks]
+    } else {
+        (0..ranks).collect()
     };
     let devices: Vec<CudaDevice> = indices.iter().map(|&index| CudaDevice { index }).collect();
     let config = config(&args.model, args.layers)?;
     let mut rows = Vec::new();
-    let nccl = match args.tp_simulate {
-        true => None,
-        false => Some(NcclRanks::new(&indices)?),
+    let nccl = if args.tp_simulate {
+        None
+    } else {
+        Some(NcclRanks::new(&indices)?)
     };
     for variant in args.variants.split(',').map(str::trim) {
         let started = Instant::now();
@@ -556,7 +561,8 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
         single.fuse_projections()?;
         prepare_all(&mut single)?;
         eprintln!(
-            "{variant}: built, split over {ranks} and prepared in {:.1} s",
+            "{variant}: built and split over {ranks} (the split prepared on first use), the \
+             one-GPU model prepared, in {:.1} s",
             started.elapsed().as_secs_f64()
         );
         let timed = match &nccl {
@@ -568,9 +574,10 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
         };
         rows.extend(timed);
     }
-    let how = match args.tp_simulate {
-        true => format!("{ranks} simulated ranks on GPU 0 (not tensor parallelism)"),
-        false => format!("{ranks} GPUs over NCCL"),
+    let how = if args.tp_simulate {
+        format!("{ranks} simulated ranks on GPU 0 (not tensor parallelism)")
+    } else {
+        format!("{ranks} GPU(s) over NCCL")
     };
     println!(
         "\n{} with {} blocks, bf16 activations, plain backend; one GPU and {how} alternately \
@@ -620,7 +627,7 @@ fn time_split(
         Tensor::from_data(prompt.clone(), &devices[0]),
         &mut KvCache::default(),
     );
-    let got = split.forward_last(&prompt, &mut split.cache(1, 16), collective)?;
+    let got = split.forward_last(split.upload(&prompt), &mut split.cache(1, 16), collective)?;
     let read = |t: Tensor<Plain, 2>| t.into_data().convert::<f32>().into_vec::<f32>();
     let error = relative_l2(&read(want)?, &read(got)?);
     eprintln!(
@@ -636,6 +643,7 @@ fn time_split(
     for t in list(&args.prefill) {
         let tokens = host_tokens(1, t, vocab, 2);
         let on_device = Tensor::from_data(tokens.clone(), &devices[0]);
+        let on_ranks = split.upload(&tokens);
         let (one, many) = alternate(
             args.reps,
             || prefill_once(single, &on_device),
@@ -643,7 +651,7 @@ fn time_split(
                 let start = Instant::now();
                 let mut cache = split.cache(1, t);
                 let _ = split
-                    .forward_last(&tokens, &mut cache, collective)
+                    .forward_last(on_ranks.clone(), &mut cache, collective)
                     .expect("split prefill");
                 sync().expect("sync");
                 drop(cache);
@@ -676,7 +684,8 @@ struct SplitDecoder<'m, C: Collective<Plain>> {
     model: &'m TensorParallelLlama<Plain>,
     collective: &'m C,
     cache: TensorParallelCache<Plain>,
-    tokens: Vec<TensorData>,
+    /// Each step's ids, uploaded to every rank before the timed runs (as `Decoder`'s).
+    tokens: Vec<Vec<Tensor<Plain, 2, Int>>>,
     context: usize,
 }
 
@@ -689,14 +698,15 @@ impl<'m, C: Collective<Plain>> SplitDecoder<'m, C> {
         vocab: usize,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let tokens = (0..steps)
-            .map(|i| host_tokens(b, 1, vocab, 100 + i as u64))
+            .map(|i| model.upload(&host_tokens(b, 1, vocab, 100 + i as u64)))
             .collect();
         let mut cache = model.cache(b, context + steps);
         let chunk = (16_384 / b).max(1);
         let mut done = 0;
         while done < context {
             let t = chunk.min(context - done);
-            model.forward_last(&host_tokens(b, t, vocab, 3), &mut cache, collective)?;
+            let ids = model.upload(&host_tokens(b, t, vocab, 3));
+            model.forward_last(ids, &mut cache, collective)?;
             done += t;
         }
         Ok(Self {
@@ -716,7 +726,7 @@ impl<'m, C: Collective<Plain>> SplitDecoder<'m, C> {
         for tokens in &self.tokens {
             let _ = self
                 .model
-                .forward_last(tokens, &mut self.cache, self.collective)
+                .forward_last(tokens.clone(), &mut self.cache, self.collective)
                 .expect("split decode step");
         }
         sync().expect("sync");

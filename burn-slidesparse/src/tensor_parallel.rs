@@ -372,14 +372,14 @@ fn shard_dense<B: Backend>(
         .iter()
         .enumerate()
         .map(|(r, device)| {
-            let weight = layer
-                .weight
-                .val()
-                .narrow(axis, r * width, width)
-                .to_device(device);
+            // Copies, not views: a narrowed view (and `to_device` on the same device) would
+            // keep the whole weight alive and read it strided.
+            let copy = |t: Tensor<B, 2>| Tensor::<B, 2>::from_data(t.into_data(), device);
+            let copy1 = |t: Tensor<B, 1>| Tensor::<B, 1>::from_data(t.into_data(), device);
+            let weight = copy(layer.weight.val().narrow(axis, r * width, width));
             let bias = layer.bias.as_ref().and_then(|b| match parallelism {
-                Parallelism::Column => Some(b.val().narrow(0, r * width, width).to_device(device)),
-                Parallelism::Row => (r == 0).then(|| b.val().to_device(device)),
+                Parallelism::Column => Some(copy1(b.val().narrow(0, r * width, width))),
+                Parallelism::Row => (r == 0).then(|| copy1(b.val())),
             });
             burn::nn::Linear {
                 weight: Param::from_tensor(weight),

@@ -9,7 +9,9 @@
 //! table are replicated, so between the collectives each rank runs the library's composed
 //! steps (`rms_norm_linear`, `rope_attention_linear`, `add_rms_norm_linear`,
 //! `silu_mul_linear`) on its own device with no communication. The final norm and the LM
-//! head run on rank 0. `docs/decisions/tensor-parallel.md` says what is exact.
+//! head run on rank 0. Token ids are uploaded to every rank ([`TensorParallelLlama::upload`]):
+//! a device-to-device copy of them would be a host round trip in burn-cuda.
+//! `docs/decisions/tensor-parallel.md` says what is exact.
 
 use burn::{
     module::Module,
@@ -28,7 +30,7 @@ type Result<T> = burn_slidesparse::Result<T>;
 
 /// A rank's residual stream and the output still to be added to it (`None` before the
 /// first block).
-type Stream<B> = (Tensor<B, 3>, Option<Tensor<B, 3>>);
+type Residual<B> = (Tensor<B, 3>, Option<Tensor<B, 3>>);
 
 /// One rank's part of a decoder block.
 #[derive(Debug)]
@@ -123,8 +125,9 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
     /// must be separate (split before [`Llama::fuse_projections`]: a fused `qkv` is not a
     /// contiguous split by heads); each rank's are fused again here.
     ///
-    /// Errors ([`SlideSparseError::InvalidSplit`]): no devices; head counts, `hidden` or
-    /// `intermediate` not splittable over the ranks (see `shard_linear`); fused projections.
+    /// Errors ([`SlideSparseError::InvalidSplit`]): no devices; head counts or
+    /// `intermediate` not splittable over the ranks (see `shard_linear`; the row-parallel
+    /// layers need their `K` in whole pattern blocks per rank); fused projections.
     pub fn split(model: &Llama<B>, devices: &[B::Device]) -> Result<Self> {
         let ranks = devices.len();
         if ranks == 0 {
@@ -239,11 +242,19 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
         }
     }
 
-    /// Logits `[batch, t, vocab]` (on rank 0) for `tokens` (`[batch, t]` token ids, given on
-    /// the host: each rank uploads its copy) following the cached ones.
+    /// `[batch, t]` token ids uploaded to every rank's device (what the forwards take).
+    pub fn upload(&self, ids: &TensorData) -> Vec<Tensor<B, 2, Int>> {
+        self.ranks
+            .iter()
+            .map(|rank| Tensor::from_data(ids.clone(), &rank.device))
+            .collect()
+    }
+
+    /// Logits `[batch, t, vocab]` (on rank 0) for `tokens` (each rank's copy of the
+    /// `[batch, t]` ids: [`upload`](Self::upload)) following the cached ones.
     pub fn forward(
         &self,
-        tokens: &TensorData,
+        tokens: Vec<Tensor<B, 2, Int>>,
         cache: &mut TensorParallelCache<B>,
         collective: &impl Collective<B>,
     ) -> Result<Tensor<B, 3>> {
@@ -254,7 +265,7 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
     /// Logits `[batch, vocab]` of the last position only (what generation needs).
     pub fn forward_last(
         &self,
-        tokens: &TensorData,
+        tokens: Vec<Tensor<B, 2, Int>>,
         cache: &mut TensorParallelCache<B>,
         collective: &impl Collective<B>,
     ) -> Result<Tensor<B, 2>> {
@@ -269,25 +280,26 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
     /// Rank 0's residual stream after the last block `[batch, t, hidden]`.
     fn hidden_states(
         &self,
-        tokens: &TensorData,
+        tokens: Vec<Tensor<B, 2, Int>>,
         cache: &mut TensorParallelCache<B>,
         collective: &impl Collective<B>,
     ) -> Result<Tensor<B, 3>> {
-        let [batch, t] = tokens.shape.as_slice() else {
-            return Err(SlideSparseError::shape(
-                "tokens [batch, t]",
-                2,
-                tokens.shape.len(),
-            ));
-        };
-        let (batch, t, start) = (*batch, *t, cache.len);
-        if collective.ranks() != self.ranks() || cache.ranks.len() != self.ranks() {
-            return Err(SlideSparseError::shape(
-                "TensorParallelLlama: ranks of the collective and cache",
-                self.ranks(),
-                collective.ranks().min(cache.ranks.len()),
-            ));
+        let ranks = self.ranks();
+        for (what, got) in [
+            ("token tensors", tokens.len()),
+            ("the collective's ranks", collective.ranks()),
+            ("the cache's ranks", cache.ranks.len()),
+        ] {
+            if got != ranks {
+                return Err(SlideSparseError::shape(
+                    format!("TensorParallelLlama: {what}"),
+                    ranks,
+                    got,
+                ));
+            }
         }
+        let [batch, t] = tokens[0].dims();
+        let start = cache.len;
         if t == 0 || batch != cache.batch || start + t > cache.capacity {
             return Err(SlideSparseError::shape(
                 "TensorParallelLlama: [batch, cached + new tokens] within the cache",
@@ -295,13 +307,11 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
                 [batch, start + t],
             ));
         }
-        let mut streams: Vec<Stream<B>> = self
+        let mut streams: Vec<Residual<B>> = self
             .ranks
             .iter()
-            .map(|rank| {
-                let ids = Tensor::<B, 2, Int>::from_data(tokens.clone(), &rank.device);
-                (rank.embed.forward(ids), None)
-            })
+            .zip(tokens)
+            .map(|(rank, ids)| (rank.embed.forward(ids), None))
             .collect();
         for b in 0..self.ranks[0].blocks.len() {
             streams = self.block(b, streams, cache, start, collective)?;
@@ -318,11 +328,11 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
     fn block(
         &self,
         b: usize,
-        streams: Vec<Stream<B>>,
+        streams: Vec<Residual<B>>,
         cache: &mut TensorParallelCache<B>,
         start: usize,
         collective: &impl Collective<B>,
-    ) -> Result<Vec<Stream<B>>> {
+    ) -> Result<Vec<Residual<B>>> {
         let mut residuals = Vec::with_capacity(self.ranks());
         let mut partials = Vec::with_capacity(self.ranks());
         for ((rank, (x, delta)), slots) in self.ranks.iter().zip(streams).zip(&mut cache.ranks) {

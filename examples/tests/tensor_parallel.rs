@@ -19,12 +19,14 @@ use slidesparse_examples::{
 
 type B = NdArray;
 
-/// 4 query and 4 key/value heads of 8, hidden 32, intermediate 64: splits over 1, 2 and 4
-/// ranks for every pattern of blocks of 8 (`K` multiples of `R · 8`).
+/// 8 query and 4 key/value heads of 8 (grouped-query attention) with a q/k/v bias, hidden
+/// 64, intermediate 64: splits over 1, 2 and 4 ranks for every pattern of blocks of 8 (`K`
+/// multiples of `R · 8`).
 fn config() -> LlamaConfig {
-    LlamaConfig::new(64, 32, 64, 2, 4, 4)
+    LlamaConfig::new(64, 64, 64, 2, 8, 4)
         .with_max_seq_len(64)
         .with_tie_embeddings(false)
+        .with_qkv_bias(true)
 }
 
 /// A prompt, then three decode steps.
@@ -60,7 +62,9 @@ fn split(model: &Llama<B>, ranks: usize) -> Vec<Vec<f32>> {
     let out = CALLS
         .iter()
         .map(|call| {
-            let logits = tp.forward(&ids(call), &mut cache, &collective).unwrap();
+            let logits = tp
+                .forward(tp.upload(&ids(call)), &mut cache, &collective)
+                .unwrap();
             assert_eq!(logits.dims(), [1, call.len(), 64]);
             logits.into_data().into_vec().unwrap()
         })
@@ -169,13 +173,14 @@ fn splits_that_cannot_work_are_typed_errors() {
     let model = model(9);
     let three = vec![Default::default(); 3];
     expect_invalid(TensorParallelLlama::split(&model, &three), &["heads"]);
+    let eight = vec![Default::default(); 8];
+    expect_invalid(TensorParallelLlama::split(&model, &eight), &["heads"]);
     expect_invalid(TensorParallelLlama::split(&model, &[]), &["at least one"]);
     let mut fused = model.clone();
     fused.fuse_projections().unwrap();
     let two = vec![Default::default(); 2];
     expect_invalid(TensorParallelLlama::split(&fused, &two), &["fused"]);
-    // 6:8 blocks of 8: `down` reads K = 64, which splits over 2 and 4 ranks but a
-    // masked (training) layer is not split at all.
+    // A masked (training) layer is not split at all.
     let mut masked = model.clone();
     masked.blocks[0]
         .down
@@ -193,13 +198,17 @@ fn splits_that_cannot_work_are_typed_errors() {
     let tp = TensorParallelLlama::split(&model, &two).unwrap();
     let mut cache = tp.cache(1, 4);
     let collective = SimulatedRanks::new(2).unwrap();
-    let long = tp.forward(&ids(&[1, 2, 3, 4, 5]), &mut cache, &collective);
+    let long = tp.forward(tp.upload(&ids(&[1, 2, 3, 4, 5])), &mut cache, &collective);
     assert!(
         matches!(long, Err(SlideSparseError::ShapeMismatch { .. })),
         "{long:?}"
     );
     assert_eq!(cache.len(), 0, "a refused call leaves the cache as it was");
-    let wrong = tp.forward(&ids(&[1]), &mut cache, &SimulatedRanks::new(1).unwrap());
+    let wrong = tp.forward(
+        tp.upload(&ids(&[1])),
+        &mut cache,
+        &SimulatedRanks::new(1).unwrap(),
+    );
     assert!(
         matches!(wrong, Err(SlideSparseError::ShapeMismatch { .. })),
         "{wrong:?}"

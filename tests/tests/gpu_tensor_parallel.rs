@@ -132,7 +132,8 @@ fn layer(seed: u64, ranks: usize, k: usize, out: usize) -> PackedLinear {
 }
 
 /// Every rank's output of a tensor-parallel layer over `devices`: NCCL's against the
-/// simulated ranks' (same shards, same partial outputs: sums of two are exact in any order).
+/// simulated ranks' (same shards, same partial outputs; a sum of two is the same in either
+/// order).
 fn check_split_over(devices: &[usize], parallelism: Parallelism) {
     let ranks = devices.len();
     let (m, k, out) = (5, 1024, 768);
@@ -188,8 +189,13 @@ fn layers_split_over_every_gpu_match_the_simulated_ranks() {
         eprintln!("one GPU: nothing split over GPUs (the one-rank tests ran)");
         return;
     }
+    // Every GPU where the test layer splits over them (K = 1024 in blocks of 8, out = 768).
+    let all = devices.len();
+    let splits = 1024 % (8 * all) == 0 && 768 % all == 0;
     for parallelism in [Parallelism::Column, Parallelism::Row] {
-        check_split_over(&devices, parallelism);
+        if splits {
+            check_split_over(&devices, parallelism);
+        }
         check_split_over(&devices[..2], parallelism);
     }
 }

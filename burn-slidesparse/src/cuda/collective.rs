@@ -13,16 +13,23 @@
 //! its kernel, and the kernels meet on the GPUs. Every rank's queue is flushed after the
 //! calls are queued, so no rank's kernel waits on a peer whose call is still in a queue.
 //!
-//! A call that fails on the device thread cannot reach the caller: its output is filled
-//! with NaN (never a stale result) and the error is returned by the next collective.
 //! Everything that can be checked before queueing (ranks, devices, shapes, dtypes, burn's
 //! streams) is checked for **all** ranks before the first call is queued: a collective
 //! queued on some ranks and not others would leave those ranks' kernels waiting forever.
+//! A call that still fails on a device thread cannot reach the caller: its output is
+//! NaN-filled where it could be resolved, and with more than one rank every communicator is
+//! aborted at once (`ncclCommAbort`), so that the peers' kernels, which would wait forever
+//! for the missing call, end. The next collective returns the error, and every later one
+//! says the ranks were aborted.
+//!
+//! Collectives from several threads are queued one at a time (a lock): each rank must see
+//! the collectives in the same order, or NCCL pairs one thread's call on rank 0 with
+//! another's on rank 1.
 
 use std::{
     collections::HashMap,
     ffi::c_int,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, RwLock},
 };
 
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
@@ -52,16 +59,19 @@ use crate::{
 
 type Server = <Runtime as cubecl::Runtime>::Server;
 
-/// The oldest NCCL whose entry points and data types (`ncclBfloat16`) we rely on.
+/// The oldest NCCL accepted: every entry point bound here is older, but older versions
+/// are untested here (the GPU hosts' pip wheels ship newer ones).
 const MIN_VERSION: i32 = 21800;
 
 /// The GPUs of this process as tensor-parallel ranks, with one NCCL communicator each:
 /// [`Collective`] for burn-cuda's plain backend ([`CudaBackend`]).
 pub struct NcclRanks {
-    nccl: Arc<Nccl>,
     ranks: Vec<Rank>,
+    health: Arc<Health>,
     /// burn's stream of each rank's device, by rank and cubecl stream (calling thread).
     streams: Mutex<HashMap<(usize, StreamId), usize>>,
+    /// Held while a collective is queued on every rank (same order on every rank).
+    queueing: Mutex<()>,
 }
 
 /// One rank: its device, its communicator and the queue of the device's cubecl thread.
@@ -70,23 +80,59 @@ struct Rank {
     comm: Comm,
     client: Client,
     queue: DeviceHandle<Server>,
-    /// The error of a call that failed on the device thread, until the next collective.
-    failure: Arc<Mutex<Option<SlideSparseError>>>,
+}
+
+/// What the device threads share: the library, every communicator (to abort them all), the
+/// first failure.
+struct Health {
+    nccl: Arc<Nccl>,
+    /// Every rank's communicator, as integers.
+    comms: Vec<usize>,
+    /// The error of a call that failed on a device thread, until the next collective.
+    failure: Mutex<Option<SlideSparseError>>,
+    /// Why the communicators were aborted, once they were. Calls hold the read side while
+    /// they call NCCL; the abort takes the write side.
+    aborted: RwLock<Option<String>>,
+}
+
+impl Health {
+    /// Records a failed call; with peers, aborts every communicator (once) so that no
+    /// kernel waits for the call that did not happen.
+    fn fail(&self, error: SlideSparseError) {
+        if self.comms.len() > 1 {
+            let mut aborted = self.aborted.write().unwrap_or_else(|e| e.into_inner());
+            if aborted.is_none() {
+                for &comm in &self.comms {
+                    // SAFETY: a live communicator (aborted once, under the write lock, so no
+                    // call is being enqueued on it); its kernels in flight end.
+                    let _ = unsafe { (self.nccl.ncclCommAbort)(comm as Comm) };
+                }
+                *aborted = Some(error.to_string());
+            }
+        }
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert(error);
+    }
 }
 
 // SAFETY: a communicator is only used by tasks on its own device's cubecl thread, which
-// runs them one at a time (and by `Drop`, through the same queue); the other fields are
-// thread-safe.
+// runs them one at a time (and by `Drop`, through the same queue), or aborted through
+// `Health::fail`, which NCCL allows from any thread; the other fields are thread-safe.
 unsafe impl Send for NcclRanks {}
-// SAFETY: as above; `&self` methods only queue tasks and lock the mutexes.
+// SAFETY: as above; `&self` methods queue tasks under the `queueing` lock (one collective
+// at a time, the same order on every rank) and lock the other mutexes.
 unsafe impl Sync for NcclRanks {}
+// SAFETY: `Health` holds the communicators as integers, used only as described above.
+unsafe impl Send for Health {}
+// SAFETY: as above.
+unsafe impl Sync for Health {}
 
 impl std::fmt::Debug for NcclRanks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let devices: Vec<usize> = self.ranks.iter().map(|r| r.device).collect();
         f.debug_struct("NcclRanks")
             .field("devices", &devices)
-            .field("library", &self.nccl.path())
+            .field("library", &self.health.nccl.path())
             .finish()
     }
 }
@@ -146,6 +192,12 @@ impl NcclRanks {
             (nccl.ncclCommInitAll)(comms.as_mut_ptr(), list.len() as c_int, list.as_ptr())
         };
         nccl.check("ncclCommInitAll", status)?;
+        let health = Arc::new(Health {
+            nccl: Arc::new(nccl),
+            comms: comms.iter().map(|&c| c as usize).collect(),
+            failure: Mutex::default(),
+            aborted: RwLock::default(),
+        });
         let ranks = devices
             .iter()
             .zip(comms)
@@ -154,16 +206,18 @@ impl NcclRanks {
                 Rank {
                     device: index,
                     comm,
+                    // The client first: it makes sure the device's runner is cubecl-cuda's
+                    // own before the queue attaches to it.
                     client: Runtime::client(&device),
                     queue: DeviceHandle::new(device.to_id()),
-                    failure: Arc::default(),
                 }
             })
             .collect();
         Ok(Self {
-            nccl: Arc::new(nccl),
             ranks,
+            health,
             streams: Mutex::default(),
+            queueing: Mutex::default(),
         })
     }
 
@@ -193,19 +247,33 @@ impl NcclRanks {
         Ok(stream)
     }
 
-    /// The error of an earlier call that failed on a device thread, if any (reported once).
+    /// The error of an earlier call that failed on a device thread (reported once), or,
+    /// after that, that the communicators were aborted.
     fn take_failures(&self) -> Result<()> {
-        for rank in &self.ranks {
-            let failure = rank
-                .failure
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take();
-            if let Some(error) = failure {
-                return Err(error);
-            }
+        let failure = self
+            .health
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(error) = failure {
+            return Err(error);
         }
-        Ok(())
+        match &*self
+            .health
+            .aborted
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            Some(why) => Err(SlideSparseError::Unsupported {
+                what: "NCCL collective".into(),
+                why: format!(
+                    "the communicators were aborted after a call failed ({why}); create new \
+                     NcclRanks"
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Checks every rank's tensor (its device, `dims`, a dtype NCCL reduces) and returns
@@ -236,11 +304,13 @@ impl NcclRanks {
                 }
                 let t = into_contiguous(part.into_primitive().tensor());
                 if t.device.index != rank.device {
-                    return Err(SlideSparseError::shape(
-                        format!("{what}: the CUDA device of a rank's tensor"),
-                        rank.device,
-                        t.device.index,
-                    ));
+                    return Err(SlideSparseError::Unsupported {
+                        what: format!("NCCL {what}"),
+                        why: format!(
+                            "a tensor of the rank on CUDA device {} is on device {}",
+                            rank.device, t.device.index
+                        ),
+                    });
                 }
                 nccl_type(t.dtype)?;
                 Ok(t)
@@ -257,6 +327,7 @@ impl NcclRanks {
         inputs: &[CubeTensor<Runtime>],
         out_scale: usize,
     ) -> Result<Vec<cubecl::server::Handle>> {
+        let _one_at_a_time = self.queueing.lock().unwrap_or_else(|e| e.into_inner());
         self.take_failures()?;
         let streams = (0..self.ranks.len())
             .map(|rank| self.burn_stream(rank))
@@ -268,9 +339,10 @@ impl NcclRanks {
             let out_len = count * out_scale;
             // An all-reduce of a buffer nothing else holds runs in place (NCCL allows it):
             // no allocation per call.
-            let output = match out_scale == 1 && x.handle.can_mut() {
-                true => x.handle.clone(),
-                false => x.client.empty(out_len * x.dtype.size()),
+            let output = if out_scale == 1 && x.handle.can_mut() {
+                x.handle.clone()
+            } else {
+                x.client.empty(out_len * x.dtype.size())
             };
             let queued = Queued {
                 call,
@@ -283,10 +355,10 @@ impl NcclRanks {
                 burn_stream,
                 comm: rank.comm,
             };
-            let (nccl, failure) = (self.nccl.clone(), rank.failure.clone());
+            let health = self.health.clone();
             rank.queue.submit(move |server: &mut Server| {
-                if let Err(error) = queued.run(&nccl, server) {
-                    *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+                if let Err(error) = queued.run(&health, server) {
+                    health.fail(error);
                 }
             });
             outputs.push(output);
@@ -305,7 +377,8 @@ impl NcclRanks {
 impl Queued {
     /// Runs on the rank's cubecl device thread (context current): resolves the buffers and
     /// enqueues the NCCL call on burn's stream; fills the output with NaN if that fails.
-    fn run(self, nccl: &Nccl, server: &mut Server) -> Result<()> {
+    fn run(self, health: &Health, server: &mut Server) -> Result<()> {
+        let nccl = &health.nccl;
         let resolve = |server: &mut Server, binding: Binding| {
             server
                 .get_resource(binding, self.stream_id)
@@ -318,6 +391,15 @@ impl Queued {
         let out = resolve(server, self.output.clone())?;
         let result = resolve(server, self.input.clone()).and_then(|input| {
             let dtype = nccl_type(self.dtype)?;
+            // Held through the call: an abort (the write side) waits for calls in flight,
+            // and no call starts on an aborted (freed) communicator.
+            let aborted = health.aborted.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(why) = &*aborted {
+                return Err(SlideSparseError::Unsupported {
+                    what: "NCCL collective".into(),
+                    why: format!("the communicators were aborted after a call failed ({why})"),
+                });
+            }
             let stream = self.burn_stream as *mut std::ffi::c_void;
             let (input, output) = (
                 input as *const std::ffi::c_void,
@@ -325,8 +407,9 @@ impl Queued {
             );
             // SAFETY: live cubecl allocations of `count` (input) and `out_len` (output)
             // elements of `dtype`, kept alive by their bindings until this task ends, then
-            // reused only in burn's stream order, behind this call; the communicator is
-            // this device's, used only on this thread.
+            // reused only by later work on burn's stream (cubecl's pools are per stream,
+            // and other streams wait on events); the communicator is this device's, used
+            // only on this thread.
             let (call, status) = unsafe {
                 match self.call {
                     Call::AllReduceSum => (
@@ -420,10 +503,20 @@ impl<F: FloatElement> Collective<CudaBackend<F>> for NcclRanks {
 
 impl Drop for NcclRanks {
     fn drop(&mut self) {
+        // Communicators aborted after a failure are freed already.
+        if self
+            .health
+            .aborted
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return;
+        }
         // Destroyed on each device's thread, behind every call queued there, all ranks at
         // once (finalizing a communicator waits for its peers' calls).
         for rank in &self.ranks {
-            let (nccl, comm) = (self.nccl.clone(), rank.comm as usize);
+            let (nccl, comm) = (self.health.nccl.clone(), rank.comm as usize);
             rank.queue.submit(move |_server: &mut Server| {
                 // SAFETY: the communicator is destroyed once, after every call queued on it.
                 let _ = unsafe { (nccl.ncclCommDestroy)(comm as Comm) };

@@ -4,9 +4,9 @@
 //!
 //! Only the library and its entry points are here: finding it (`SLIDESPARSE_NCCL`, the
 //! loader path, the pip folders), binding the calls the collectives on burn's stream need
-//! (`collective.rs`), and typed errors naming what was searched or what failed. cudarc's `nccl` feature is not used: its
-//! loader searches bare library names only (not `libnccl.so.2`, the one file NVIDIA's pip
-//! wheel ships) and panics when none loads.
+//! (`collective.rs`), and typed errors naming what was searched or what failed. cudarc's
+//! `nccl` feature is not used: its loader searches bare library names only (not
+//! `libnccl.so.2`, the one file NVIDIA's pip wheel ships) and panics when none loads.
 
 #![allow(non_camel_case_types, non_snake_case)]
 
@@ -59,6 +59,7 @@ library_bindings! {
         ncclCommInitRank: fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult;
         ncclCommInitAll: fn(*mut Comm, c_int, *const c_int) -> NcclResult;
         ncclCommDestroy: fn(Comm) -> NcclResult;
+        ncclCommAbort: fn(Comm) -> NcclResult;
         ncclCommGetAsyncError: fn(Comm, *mut NcclResult) -> NcclResult;
         ncclAllReduce: fn(*const c_void, *mut c_void, usize, i32, i32, Comm, Stream) -> NcclResult;
         ncclAllGather: fn(*const c_void, *mut c_void, usize, i32, Comm, Stream) -> NcclResult;
