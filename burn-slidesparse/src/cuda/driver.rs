@@ -36,15 +36,8 @@ pub fn device_count() -> Result<usize> {
 /// Device `index`, or [`SlideSparseError::NoGpu`] saying why there is none: no driver library
 /// (cudarc would panic on the first driver call), no device, or an index past the last one.
 pub fn cuda_device(index: usize) -> Result<sys::CUdevice> {
-    if !cuda_driver_present() {
-        return Err(SlideSparseError::NoGpu(
-            "the CUDA driver library (libcuda.so) is not installed".into(),
-        ));
-    }
-    cu::init().map_err(|e| SlideSparseError::NoGpu(format!("cuInit failed: {e:?}")))?;
-    let count = cu::device::get_count()
-        .map_err(|e| SlideSparseError::NoGpu(format!("cuDeviceGetCount failed: {e:?}")))?;
-    if index >= count.max(0) as usize {
+    let count = device_count()?;
+    if index >= count {
         return Err(SlideSparseError::NoGpu(format!(
             "device {index} requested, {count} present"
         )));
