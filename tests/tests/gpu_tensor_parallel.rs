@@ -1,5 +1,6 @@
-//! GPU tests of the NCCL collectives (`NcclRanks`) and of tensor-parallel layers combined by
-//! them, against the CPU-tested simulated ranks on fresh data.
+//! GPU tests of the NCCL collectives (`NcclRanks`; `BurnRanks`, burn's own all-reduce, on the
+//! plain and fusion backends) and of tensor-parallel layers combined by them, against the
+//! CPU-tested simulated ranks on fresh data.
 //!
 //! On one GPU a communicator has one rank: the collectives are the identity (bit for bit),
 //! queued on burn's stream, and a layer "split" over one rank is the layer. With two or more
@@ -13,7 +14,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_slidesparse::{
     Collective, PackOptions, PackedLinear, Parallelism, Precision, SimulatedRanks,
     SlideSparseError, SlideSparseLinear, SparsityPattern, TensorParallelLinear,
-    cuda::{CudaBackend, NcclRanks},
+    cuda::{BurnRanks, CudaBackend, CudaFusionBackend, NcclRanks},
     pack_linear,
 };
 use cubecl::cuda::CudaDevice;
@@ -21,6 +22,7 @@ use slidesparse_tests::{random_f32, rng};
 
 type Gpu = CudaBackend<f32>;
 type Gpu16 = CudaBackend<half::bf16>;
+type Fused16 = CudaFusionBackend<half::bf16>;
 
 fn devices() -> Vec<usize> {
     (0..burn_slidesparse::cuda::device_count().unwrap()).collect()
@@ -263,4 +265,158 @@ fn all_reduce_over_every_gpu_sums_in_bf16_and_f32() {
     for (rank, t) in nccl.all_gather(f32s).unwrap().into_iter().enumerate() {
         assert_eq!(host(t), gathered, "all_gather rank {rank}");
     }
+}
+
+/// One round of `BurnRanks` on one rank of backend `B`: the sum and the gather of `x` are
+/// `x`, bit for bit, read through a kernel queued after them with no host sync; an input the
+/// caller still holds is left as it was.
+fn burn_ranks_identity<
+    B: burn::tensor::backend::distributed::DistributedBackend<Device = CudaDevice>,
+>(
+    ranks: &BurnRanks,
+    x: &[f32],
+    [m, n]: [usize; 2],
+    dtype: DType,
+    round: usize,
+) {
+    let rounded: Vec<f32> = match dtype {
+        DType::BF16 => x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect(),
+        _ => x.to_vec(),
+    };
+    let expected: Vec<f32> = rounded.iter().map(|v| v * 2.0).collect();
+    let held = on::<B>(x, [m, n], 0, dtype);
+    let reduced = ranks.all_reduce_sum(vec![held.clone()]).unwrap();
+    let gathered = ranks
+        .all_gather(vec![on::<B>(x, [m, n], 0, dtype)])
+        .unwrap();
+    let (reduced, gathered) = (
+        host(reduced[0].clone() * 2.0),
+        host(gathered[0].clone() * 2.0),
+    );
+    assert_eq!(
+        bits(&reduced),
+        bits(&expected),
+        "all_reduce_sum, round {round}"
+    );
+    assert_eq!(
+        bits(&gathered),
+        bits(&expected),
+        "all_gather, round {round}"
+    );
+    assert_eq!(
+        bits(&host(held)),
+        bits(&rounded),
+        "held input, round {round}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL (as libnccl.so on the loader path)"]
+fn burn_ranks_over_one_rank_are_the_identity_on_plain_and_fusion() {
+    let ranks = BurnRanks::new(&[0]).unwrap();
+    assert_eq!(ranks.devices(), vec![0]);
+    assert_eq!(Collective::<Fused16>::ranks(&ranks), 1);
+    let mut rng = rng(2405);
+    for round in 0..30 {
+        let shape = [1 + round % 7, 64 * (1 + round % 5)];
+        let x = random_f32(&mut rng, shape[0] * shape[1]);
+        match round % 3 {
+            0 => burn_ranks_identity::<Gpu>(&ranks, &x, shape, DType::F32, round),
+            1 => burn_ranks_identity::<Gpu16>(&ranks, &x, shape, DType::BF16, round),
+            _ => burn_ranks_identity::<Fused16>(&ranks, &x, shape, DType::BF16, round),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL (as libnccl.so on the loader path)"]
+fn bad_burn_ranks_are_typed_errors() {
+    let twice = BurnRanks::new(&[0, 0]).unwrap_err();
+    assert!(
+        matches!(&twice, SlideSparseError::InvalidSplit { detail, .. } if detail.contains("named twice")),
+        "{twice}"
+    );
+    let past = BurnRanks::new(&[0, 999]).unwrap_err();
+    assert!(matches!(past, SlideSparseError::NoGpu(_)), "{past}");
+    assert!(BurnRanks::new(&[]).is_err());
+
+    let ranks = BurnRanks::new(&[0]).unwrap();
+    let x = on::<Fused16>(&[1.0; 8], [2, 4], 0, DType::BF16);
+    let two = ranks
+        .all_reduce_sum(vec![x.clone(), x.clone()])
+        .unwrap_err();
+    assert!(
+        matches!(two, SlideSparseError::ShapeMismatch { .. }),
+        "{two}"
+    );
+}
+
+#[test]
+#[ignore = "needs two NVIDIA GPUs and NCCL (as libnccl.so on the loader path)"]
+fn burn_ranks_over_every_gpu_sum_and_gather_on_plain_and_fusion() {
+    let devices = devices();
+    if devices.len() < 2 {
+        eprintln!("one GPU: no sum over GPUs (the one-rank tests ran)");
+        return;
+    }
+    let ranks = BurnRanks::new(&devices).unwrap();
+    let mut rng = rng(2406);
+    let (m, n) = (3, 4096);
+    for round in 0..6 {
+        // Small integers: every partial sum is exact in bf16 and f32, in any order.
+        let parts: Vec<Vec<f32>> = devices
+            .iter()
+            .map(|_| {
+                (0..m * n)
+                    .map(|_| (rand::Rng::random_range(&mut rng, -8i32..=8)) as f32)
+                    .collect()
+            })
+            .collect();
+        let sum: Vec<f32> = (0..m * n)
+            .map(|i| parts.iter().map(|p| p[i]).sum())
+            .collect();
+        let gathered: Vec<f32> = (0..m)
+            .flat_map(|row| {
+                parts
+                    .iter()
+                    .flat_map(move |p| p[row * n..(row + 1) * n].to_vec())
+            })
+            .collect();
+        let (reduced, gather) = if round % 2 == 0 {
+            run_burn_ranks::<Gpu>(&ranks, &parts, [m, n], DType::F32)
+        } else {
+            run_burn_ranks::<Fused16>(&ranks, &parts, [m, n], DType::BF16)
+        };
+        for (rank, (r, g)) in reduced.into_iter().zip(gather).enumerate() {
+            assert_eq!(r, sum, "round {round}: rank {rank}'s sum");
+            assert_eq!(g, gathered, "round {round}: rank {rank}'s gather");
+        }
+    }
+}
+
+/// Every rank's sum and gather of `parts` (rank `r`'s on GPU `r`) through `BurnRanks` on `B`.
+fn run_burn_ranks<
+    B: burn::tensor::backend::distributed::DistributedBackend<Device = CudaDevice>,
+>(
+    ranks: &BurnRanks,
+    parts: &[Vec<f32>],
+    shape: [usize; 2],
+    dtype: DType,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let upload = || -> Vec<Tensor<B, 2>> {
+        parts
+            .iter()
+            .zip(ranks.devices())
+            .map(|(p, d)| on::<B>(p, shape, d, dtype))
+            .collect()
+    };
+    let reduced = ranks.all_reduce_sum(upload()).unwrap();
+    let gathered = ranks.all_gather(upload()).unwrap();
+    (
+        reduced.into_iter().map(host).collect(),
+        gathered.into_iter().map(host).collect(),
+    )
 }

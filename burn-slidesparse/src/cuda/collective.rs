@@ -172,7 +172,7 @@ impl NcclRanks {
     /// no devices, a device named twice (NCCL runs one rank per GPU) or past the last one;
     /// `ncclCommInitAll` failing ([`SlideSparseError::Nccl`]).
     pub fn new(devices: &[usize]) -> Result<Self> {
-        check_devices(devices)?;
+        check_devices("NcclRanks", devices)?;
         let nccl = Nccl::load(config()?)?;
         let version = nccl.version()?;
         if version < MIN_VERSION {
@@ -534,9 +534,9 @@ fn float<F: FloatElement>(t: CubeTensor<Runtime>) -> Tensor<CudaBackend<F>, 2> {
 }
 
 /// The devices as ranks: at least one, each present, none twice.
-fn check_devices(devices: &[usize]) -> Result<()> {
+pub(super) fn check_devices(what: &str, devices: &[usize]) -> Result<()> {
     let invalid = |detail: String| SlideSparseError::InvalidSplit {
-        layer: "NcclRanks".into(),
+        layer: what.into(),
         ranks: devices.len(),
         detail,
     };

@@ -96,6 +96,7 @@ macro_rules! library_bindings {
 
 pub mod collective;
 pub mod config;
+pub mod distributed;
 
 internal_modules!(
     accumulator,
@@ -131,6 +132,7 @@ pub use collective::NcclRanks;
 pub use config::{Config, GraphMode, Settings, SyncMode};
 /// The device of [`CudaBackend`]: `CudaDevice { index }` is GPU `index`.
 pub use cubecl::cuda::CudaDevice;
+pub use distributed::BurnRanks;
 pub use driver::{cuda_driver_present, device_count};
 
 /// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of
