@@ -35,7 +35,7 @@ use burn_slidesparse::{
     QuantizedWeight, SimulatedRanks, SlideSparseBackend, SlideSparseLinear, SparsityPattern,
     VisitLinears, WeightCodes,
     cuda::{
-        CudaBackend, CudaDevice, CudaFusionBackend, NcclRanks, device_count,
+        BurnRanks, CudaBackend, CudaDevice, CudaFusionBackend, NcclRanks, device_count,
         driver::profiler_range,
         memory::{MemoryReport, graph_report, memory_report, release_free_memory},
     },
@@ -113,11 +113,16 @@ struct Args {
     /// INT8 layer, as the block linears of the dense INT8 baseline). Untied heads only.
     #[arg(long, default_value = "bf16")]
     head: String,
-    /// Split every variant over this many GPUs (devices 0..R, NCCL; random weights, plain
-    /// backend): the split model and the one-GPU model are timed alternately in this
-    /// process, after a check of their logits against each other.
+    /// Split every variant over this many GPUs (devices 0..R; random weights): the split
+    /// model and the one-GPU model are timed alternately in this process, on `--backend`,
+    /// after a check of their logits against each other.
     #[arg(long)]
     tensor_parallel: Option<usize>,
+    /// With `--tensor-parallel`: the all-reduce, `nccl` (this crate's `NcclRanks`, plain
+    /// backend only; the default there) or `burn` (burn's own, `BurnRanks`; the default on
+    /// fusion).
+    #[arg(long)]
+    collective: Option<String>,
     /// With `--tensor-parallel`: every rank on GPU 0, combined by the simulated collective
     /// (tensor operations). Checks the split model on one GPU; its times are not those of
     /// tensor parallelism.
@@ -453,6 +458,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(ranks) = args.tensor_parallel {
         return run_tensor_parallel(&args, ranks);
     }
+    if args.collective.is_some() || args.tp_simulate {
+        return Err("--collective and --tp-simulate go with --tensor-parallel".into());
+    }
     match args.backend.as_str() {
         "fusion" => run::<Gpu>(&args),
         "plain" => run::<Plain>(&args),
@@ -520,12 +528,8 @@ fn run_both(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
 /// `R` ranks, then fused and prepared as the one-GPU model; the split model's logits
 /// checked against the one-GPU model's, then every workload timed alternately on the two.
 fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::error::Error>> {
-    if args.weights != "random" || args.backend != "plain" || args.json.is_some() {
-        return Err(
-            "--tensor-parallel needs --weights random and --backend plain (the \
-                    collectives are those of burn-cuda's plain backend), and no --json"
-                .into(),
-        );
+    if args.weights != "random" || args.json.is_some() {
+        return Err("--tensor-parallel needs --weights random, and no --json".into());
     }
     if args.compare_apart || args.profile_decode || args.separate {
         return Err("--tensor-parallel: drop --compare-apart, --profile-decode, --separate".into());
@@ -546,43 +550,45 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
     } else {
         (0..ranks).collect()
     };
-    let devices: Vec<CudaDevice> = indices.iter().map(|&index| CudaDevice { index }).collect();
-    let config = config(&args.model, args.layers)?;
-    let mut rows = Vec::new();
-    let nccl = if args.tp_simulate {
-        None
-    } else {
-        Some(NcclRanks::new(&indices)?)
+    let fusion = match args.backend.as_str() {
+        "fusion" => true,
+        "plain" => false,
+        other => {
+            return Err(format!("--tensor-parallel: --backend {other}: fusion or plain").into());
+        }
     };
-    for variant in args.variants.split(',').map(str::trim) {
-        let started = Instant::now();
-        let mut single = build_random::<Plain>(args, &config, variant, false)?;
-        let split = TensorParallelLlama::split(&single, &devices)?;
-        single.fuse_projections()?;
-        prepare_all(&mut single)?;
-        eprintln!(
-            "{variant}: built and split over {ranks} (the split prepared on first use), the \
-             one-GPU model prepared, in {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
-        let timed = match &nccl {
-            Some(nccl) => time_split(args, variant, (&single, &split), nccl, &devices)?,
-            None => {
-                let simulated = SimulatedRanks::new(ranks)?;
-                time_split(args, variant, (&single, &split), &simulated, &devices)?
-            }
-        };
-        rows.extend(timed);
-    }
+    let collective = match (args.collective.as_deref(), fusion) {
+        (Some(_), _) if args.tp_simulate => {
+            return Err("--tp-simulate combines the ranks itself: drop --collective".into());
+        }
+        (Some("nccl"), true) => {
+            return Err(
+                "--collective nccl: NcclRanks serves the plain backend (--backend \
+                        plain); on fusion, --collective burn"
+                    .into(),
+            );
+        }
+        (Some(c @ ("nccl" | "burn")), _) => c,
+        (Some(other), _) => return Err(format!("--collective {other}: nccl or burn").into()),
+        (None, true) => "burn",
+        (None, false) => "nccl",
+    };
     let how = if args.tp_simulate {
         format!("{ranks} simulated ranks on GPU 0 (not tensor parallelism)")
     } else {
-        format!("{ranks} GPU(s) over NCCL")
+        format!("{ranks} GPU(s), all-reduce: {collective}")
+    };
+    let rows = match (args.tp_simulate, fusion, collective) {
+        (true, true, _) => run_split::<Gpu>(args, &indices, &SimulatedRanks::new(ranks)?)?,
+        (true, false, _) => run_split::<Plain>(args, &indices, &SimulatedRanks::new(ranks)?)?,
+        (false, false, "nccl") => run_split::<Plain>(args, &indices, &NcclRanks::new(&indices)?)?,
+        (false, false, _) => run_split::<Plain>(args, &indices, &BurnRanks::new(&indices)?)?,
+        (false, true, _) => run_split::<Gpu>(args, &indices, &BurnRanks::new(&indices)?)?,
     };
     println!(
-        "\n{} with {} blocks, bf16 activations, plain backend; one GPU and {how} alternately \
+        "\n{} with {} blocks, bf16 activations, {} backend; one GPU and {how} alternately \
          in one process: median ms (whole model)",
-        args.model, args.layers
+        args.model, args.layers, args.backend
     );
     println!(
         "| variant | workload | 1 GPU ms | {ranks} ranks ms | speedup | tok/s 1 GPU | tok/s {ranks} ranks |"
@@ -600,6 +606,39 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
     Ok(())
 }
 
+/// Every variant built on `B` (GPU 0), split over the CUDA devices `indices` and combined by
+/// `collective`, then fused and prepared as the one-GPU model, and timed against it.
+fn run_split<B: SlideSparseBackend<Device = CudaDevice>>(
+    args: &Args,
+    indices: &[usize],
+    collective: &impl Collective<B>,
+) -> Result<Vec<SplitRow>, Box<dyn std::error::Error>> {
+    let devices: Vec<CudaDevice> = indices.iter().map(|&index| CudaDevice { index }).collect();
+    let config = config(&args.model, args.layers)?;
+    let mut rows = Vec::new();
+    for variant in args.variants.split(',').map(str::trim) {
+        let started = Instant::now();
+        let mut single = build_random::<B>(args, &config, variant, false)?;
+        let split = TensorParallelLlama::split(&single, &devices)?;
+        single.fuse_projections()?;
+        prepare_all(&mut single)?;
+        eprintln!(
+            "{variant}: built and split over {} (the split prepared on first use), the \
+             one-GPU model prepared, in {:.1} s",
+            devices.len(),
+            started.elapsed().as_secs_f64()
+        );
+        rows.extend(time_split(
+            args,
+            variant,
+            (&single, &split),
+            collective,
+            &devices,
+        )?);
+    }
+    Ok(rows)
+}
+
 /// `(variant, workload, tokens per call, 1-GPU ms, split ms)`.
 type SplitRow = (String, String, usize, f64, f64);
 
@@ -608,17 +647,17 @@ type SplitRow = (String, String, usize, f64, f64);
 /// row-parallel INT8/FP8 ranks quantize their slices with their own scales (4% relative L2
 /// at 4 blocks of random weights on 2 ranks, growing with depth; 0 on one rank), so only a
 /// difference past 30% is an error: a wrongly split model is off by ~100%.
-fn time_split(
+fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
     args: &Args,
     variant: &str,
-    (single, split): (&Llama<Plain>, &TensorParallelLlama<Plain>),
-    collective: &impl Collective<Plain>,
+    (single, split): (&Llama<B>, &TensorParallelLlama<B>),
+    collective: &impl Collective<B>,
     devices: &[CudaDevice],
 ) -> Result<Vec<SplitRow>, Box<dyn std::error::Error>> {
     let vocab = single.embed.weight.dims()[0];
     let sync = || -> Result<(), Box<dyn std::error::Error>> {
         for device in devices {
-            Plain::sync(device)?;
+            B::sync(device)?;
         }
         Ok(())
     };
@@ -628,7 +667,7 @@ fn time_split(
         &mut KvCache::default(),
     );
     let got = split.forward_last(split.upload(&prompt), &mut split.cache(1, 16), collective)?;
-    let read = |t: Tensor<Plain, 2>| t.into_data().convert::<f32>().into_vec::<f32>();
+    let read = |t: Tensor<B, 2>| t.into_data().convert::<f32>().into_vec::<f32>();
     let error = relative_l2(&read(want)?, &read(got)?);
     eprintln!(
         "{variant}: split over {} ranks: logits relative L2 {error:.2e}",
@@ -680,18 +719,18 @@ fn host_tokens(batch: usize, t: usize, vocab: usize, seed: u64) -> TensorData {
 }
 
 /// [`Decoder`] for the split model.
-struct SplitDecoder<'m, C: Collective<Plain>> {
-    model: &'m TensorParallelLlama<Plain>,
+struct SplitDecoder<'m, B: SlideSparseBackend, C: Collective<B>> {
+    model: &'m TensorParallelLlama<B>,
     collective: &'m C,
-    cache: TensorParallelCache<Plain>,
+    cache: TensorParallelCache<B>,
     /// Each step's ids, uploaded to every rank before the timed runs (as `Decoder`'s).
-    tokens: Vec<Vec<Tensor<Plain, 2, Int>>>,
+    tokens: Vec<Vec<Tensor<B, 2, Int>>>,
     context: usize,
 }
 
-impl<'m, C: Collective<Plain>> SplitDecoder<'m, C> {
+impl<'m, B: SlideSparseBackend, C: Collective<B>> SplitDecoder<'m, B, C> {
     fn new(
-        model: &'m TensorParallelLlama<Plain>,
+        model: &'m TensorParallelLlama<B>,
         collective: &'m C,
         (b, context): (usize, usize),
         steps: usize,

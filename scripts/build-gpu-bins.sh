@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the stripped release binaries for the GPU host into gpu-bin/ (git-ignored):
-# gpu-tests, gpu-attention-tests, gpu-block-ops-tests, gpu-tensor-parallel-tests (the #[ignore]d GPU tests), slidesparse-bench, the model_throughput and
-# pack_timing examples, plus gpu-bin/gpu-bin.tar.xz holding them all (carry that one alone).
+# gpu-tests, gpu-attention-tests, gpu-block-ops-tests, gpu-tensor-parallel-tests (the #[ignore]d GPU tests), slidesparse-bench, the model_throughput,
+# collective_timing and pack_timing examples, plus gpu-bin/gpu-bin.tar.xz holding them all (carry that one alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p gpu-bin
@@ -17,11 +17,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in names:
         shutil.copy(m["executable"], "gpu-bin/" + names[m["target"]["name"]])'
 cargo build --release -p burn-slidesparse --features cuda,cli --bin slidesparse-bench
-cargo build --release -p slidesparse-examples --features cuda --example model_throughput --example pack_timing
-cp target/release/slidesparse-bench target/release/examples/model_throughput target/release/examples/pack_timing gpu-bin/
+cargo build --release -p slidesparse-examples --features cuda --example model_throughput --example collective_timing --example pack_timing
+cp target/release/slidesparse-bench target/release/examples/model_throughput target/release/examples/collective_timing \
+  target/release/examples/pack_timing gpu-bin/
 rm -f gpu-bin/slidesparse
 # The device tool carries at most 64 MiB: ship the binaries xz-compressed (gpu-run.sh unpacks).
-strip gpu-bin/gpu-tests gpu-bin/gpu-attention-tests gpu-bin/gpu-block-ops-tests gpu-bin/gpu-tensor-parallel-tests gpu-bin/slidesparse-bench gpu-bin/model_throughput gpu-bin/pack_timing
-tar -C gpu-bin -cJf gpu-bin.tar.xz gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests slidesparse-bench model_throughput pack_timing
+strip gpu-bin/gpu-tests gpu-bin/gpu-attention-tests gpu-bin/gpu-block-ops-tests gpu-bin/gpu-tensor-parallel-tests gpu-bin/slidesparse-bench gpu-bin/model_throughput gpu-bin/collective_timing gpu-bin/pack_timing
+tar -C gpu-bin -cJf gpu-bin.tar.xz gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests slidesparse-bench model_throughput collective_timing pack_timing
 mv gpu-bin.tar.xz gpu-bin/
 ls -la gpu-bin

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model|profile] [extra args...]
-# (`model` runs the model_throughput example; `profile` runs it under Nsight Compute with
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model|collective|profile] [extra args...]
+# (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
 # and device time; `all` runs
@@ -13,6 +13,17 @@ mkdir -p "$OUT"
 export CUDA_PATH=/usr/local/cuda
 # The GPU hosts keep NVLink multicast off in NCCL (it can take shared GPUs out of service).
 export NCCL_NVLS_ENABLE=0
+# burn's own all-reduce (`BurnRanks`, collective_timing's burn methods) loads NCCL through
+# cudarc, which looks for libnccl.so and never the pip wheel's libnccl.so.2: link it under
+# that name (NcclRanks finds libnccl.so.2 itself).
+for lib in /opt/*/.venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 \
+           /usr/local/lib/python3*/dist-packages/nvidia/nccl/lib/libnccl.so.2; do
+  if [ -f "$lib" ]; then
+    mkdir -p /tmp/slidesparse-nccl && ln -sf "$lib" /tmp/slidesparse-nccl/libnccl.so
+    export LD_LIBRARY_PATH=/tmp/slidesparse-nccl:${LD_LIBRARY_PATH:-}
+    break
+  fi
+done
 # cuBLASLt and NVRTC; cuSPARSELt is found by the library's own search (pip location).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export SLIDESPARSE_CACHE_DIR=${SLIDESPARSE_CACHE_DIR:-$OUT/cache}
@@ -59,6 +70,12 @@ if [ "$what" = profile ]; then
   echo "profile exit code: $?"
   tail -3 "$OUT/profile.err"
   python3 scripts/ncu-kernel-summary.py "$OUT/profile.csv"
+fi
+if [ "$what" = collective ]; then
+  ./gpu-bin/collective_timing "$@" > "$OUT/collective.md" 2> "$OUT/collective.err"
+  echo "collective timing exit code: $?"
+  tail -8 "$OUT/collective.err"
+  cat "$OUT/collective.md"
 fi
 if [ "$what" = model ]; then
   # `--backend both` and `--tensor-parallel` print their own table and take no --json.
