@@ -46,6 +46,12 @@ use crate::{
 /// `DistributedBackend` (cubecl's NCCL): [`Collective`] for every such backend on CUDA
 /// devices, [`CudaBackend`] and [`CudaFusionBackend`](super::CudaFusionBackend) included.
 ///
+/// **Slow:** on one H200, a process that has created `BurnRanks` runs burn-cuda's work 3-7x
+/// slower, models that never all-reduce included (cause not established;
+/// `docs/decisions/tensor-parallel.md`). On the plain backend use
+/// [`NcclRanks`](super::NcclRanks); this is for burn's fusion backend, which that does not
+/// serve.
+///
 /// `all_gather` has no counterpart in burn's API: it is an all-reduce of each rank's part
 /// placed in zeros (exact but for a `-0.0`, which becomes `+0.0`): inputs `R` times a part,
 /// twice the traffic of an all-gather.
