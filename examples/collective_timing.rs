@@ -27,10 +27,7 @@ use std::{
     time::Instant,
 };
 
-use burn::tensor::{
-    Tensor, TensorPrimitive,
-    backend::{Backend, distributed::DistributedBackend},
-};
+use burn::tensor::{Tensor, TensorPrimitive, backend::Backend};
 use burn_collective::{AllReduceStrategy, CollectiveConfig, PeerId};
 use burn_slidesparse::{
     Collective,
@@ -92,7 +89,8 @@ fn main() -> Result<(), Error> {
         return Err("--reps and --calls: at least 1".into());
     }
     let sizes = parse_sizes(&args.sizes)?;
-    let devices: Vec<CudaDevice> = (0..ranks).map(|index| CudaDevice { index }).collect();
+    let indices: Vec<usize> = (0..ranks).collect();
+    let devices: Vec<CudaDevice> = indices.iter().map(|&index| CudaDevice { index }).collect();
     let methods: Vec<&str> = args.methods.split(',').map(str::trim).collect();
     if let Some(other) = methods.iter().find(|m| !METHODS.contains(m)) {
         return Err(format!("--methods: unknown method {other} (one of {METHODS:?})").into());
@@ -106,9 +104,27 @@ fn main() -> Result<(), Error> {
         }
         let started = Instant::now();
         let times = match method {
-            "nccl" => time_nccl(&args, &sizes, &devices)?,
-            "burn" => time_distributed::<Plain>(&args, &sizes, &devices)?,
-            "burn-fusion" => time_distributed::<Fused>(&args, &sizes, &devices)?,
+            "nccl" => time_collective::<Plain>(
+                method,
+                &args,
+                &sizes,
+                &devices,
+                &NcclRanks::new(&indices)?,
+            )?,
+            "burn" => time_collective::<Plain>(
+                method,
+                &args,
+                &sizes,
+                &devices,
+                &BurnRanks::new(&indices)?,
+            )?,
+            "burn-fusion" => time_collective::<Fused>(
+                method,
+                &args,
+                &sizes,
+                &devices,
+                &BurnRanks::new(&indices)?,
+            )?,
             "burn-collective-ring" => {
                 time_burn_collective(&args, &sizes, &devices, AllReduceStrategy::Ring)?
             }
@@ -175,19 +191,6 @@ fn parts<B: Backend>(
         .collect()
 }
 
-/// Checks that every rank holds `R (R + 1) / 2` everywhere after one all-reduce of `r + 1`.
-fn check_sum<B: Backend>(method: &str, reduced: Vec<Tensor<B, 2>>) -> Result<(), Error> {
-    let ranks = reduced.len();
-    let want = (ranks * (ranks + 1) / 2) as f32;
-    for (rank, tensor) in reduced.into_iter().enumerate() {
-        let got = tensor.into_data().convert::<f32>().into_vec::<f32>()?;
-        if let Some(bad) = got.iter().find(|&&v| v != want) {
-            return Err(format!("{method}: rank {rank} holds {bad}, not the sum {want}").into());
-        }
-    }
-    Ok(())
-}
-
 fn sync_all<B: Backend>(devices: &[B::Device]) -> Result<(), Error> {
     for device in devices {
         B::sync(device)?;
@@ -223,49 +226,26 @@ fn time_calls<T>(
     Ok(median(times))
 }
 
-/// This crate's `NcclRanks` on the plain backend.
-fn time_nccl(args: &Args, sizes: &[usize], devices: &[CudaDevice]) -> Result<Vec<f64>, Error> {
-    let indices: Vec<usize> = devices.iter().map(|d| d.index).collect();
-    let nccl = NcclRanks::new(&indices)?;
-    check_sum(
-        "nccl",
-        nccl.all_reduce_sum(parts::<Plain>(devices, 1, |r| (r + 1) as f32))?,
-    )?;
-    sizes
-        .iter()
-        .map(|&bytes| {
-            time_calls(
-                args,
-                parts::<Plain>(devices, rows(bytes), |_| 0.0),
-                |x| Ok(nccl.all_reduce_sum(x)?),
-                |_| sync_all::<Plain>(devices),
-            )
-        })
-        .collect()
-}
-
-/// burn's `DistributedBackend::all_reduce` on `B`, through this crate's `BurnRanks`.
-fn time_distributed<B>(
+/// `collective`'s all-reduce on `B` (`NcclRanks`, `BurnRanks`), checked and then timed at
+/// every size.
+fn time_collective<B: Backend<Device = CudaDevice>>(
+    method: &str,
     args: &Args,
     sizes: &[usize],
     devices: &[CudaDevice],
-) -> Result<Vec<f64>, Error>
-where
-    B: DistributedBackend<Device = CudaDevice>,
-{
-    let indices: Vec<usize> = devices.iter().map(|d| d.index).collect();
-    let ranks = BurnRanks::new(&indices)?;
-    check_sum(
-        std::any::type_name::<B>(),
-        ranks.all_reduce_sum(parts::<B>(devices, 1, |r| (r + 1) as f32))?,
-    )?;
+    collective: &impl Collective<B>,
+) -> Result<Vec<f64>, Error> {
+    let ones = parts::<B>(devices, 1, |r| (r + 1) as f32);
+    for (rank, sum) in collective.all_reduce_sum(ones)?.into_iter().enumerate() {
+        check_sum(method, rank, devices.len(), sum)?;
+    }
     sizes
         .iter()
         .map(|&bytes| {
             time_calls(
                 args,
                 parts::<B>(devices, rows(bytes), |_| 0.0),
-                |x| Ok(Collective::<B>::all_reduce_sum(&ranks, x)?),
+                |x| Ok(collective.all_reduce_sum(x)?),
                 |_| sync_all::<B>(devices),
             )
         })
@@ -305,8 +285,8 @@ fn time_burn_collective(
                         .map_err(|e| format!("all_reduce: {e:?}"))?;
                         Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
                     };
-                    let mut ones = vec![sum(Tensor::full([1, WIDTH], (rank + 1) as f32, device))?];
-                    check_sum_one(rank, ranks, ones.remove(0))?;
+                    let ones = Tensor::full([1, WIDTH], (rank + 1) as f32, device);
+                    check_sum("burn-collective", rank, ranks, sum(ones)?)?;
                     let mut mine = Vec::new();
                     for &bytes in sizes {
                         let one = time_calls(
@@ -344,12 +324,18 @@ fn time_burn_collective(
     Ok(times.into_inner().unwrap())
 }
 
-/// [`check_sum`] for one rank's result.
-fn check_sum_one(rank: usize, ranks: usize, got: Tensor<Plain, 2>) -> Result<(), Error> {
+/// Checks that `rank`'s result of one all-reduce of `r + 1` over `ranks` ranks holds
+/// `R (R + 1) / 2` everywhere.
+fn check_sum<B: Backend>(
+    method: &str,
+    rank: usize,
+    ranks: usize,
+    got: Tensor<B, 2>,
+) -> Result<(), Error> {
     let want = (ranks * (ranks + 1) / 2) as f32;
     let got = got.into_data().convert::<f32>().into_vec::<f32>()?;
     match got.iter().find(|&&v| v != want) {
-        Some(bad) => Err(format!("rank {rank} holds {bad}, not the sum {want}").into()),
+        Some(bad) => Err(format!("{method}: rank {rank} holds {bad}, not the sum {want}").into()),
         None => Ok(()),
     }
 }
