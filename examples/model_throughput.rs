@@ -706,6 +706,15 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
         let (one, many) = alternate(args.reps, || one.run(false), || many.run(&sync));
         rows.push((variant.to_string(), format!("decode {b}"), b, one, many));
     }
+    // How the GEMMs ran on each GPU (a host-synchronized fallback shows here).
+    for device in devices {
+        let report =
+            graph_report(device).map_or_else(|e| format!("unavailable: {e}"), |r| r.to_string());
+        eprintln!(
+            "{variant}: GPU {}: GEMM graphs and calls so far: {report}",
+            device.index
+        );
+    }
     Ok(rows)
 }
 

@@ -168,6 +168,9 @@ impl Lanes {
             if let Some(why) = graphs.last_failure() {
                 report.last_failure = Some(why.to_string());
             }
+            if let Some(Err(why)) = &lane.burn_stream {
+                report.host_reason = Some(why.clone());
+            }
         }
         report
     }
@@ -193,6 +196,9 @@ pub struct GraphReport {
     pub last_failure: Option<String>,
     /// How the GEMM calls of every lane ran, summed.
     pub calls: CallCounts,
+    /// Why some lane's GEMMs fall back to host synchronization (burn's stream not found),
+    /// if one does.
+    pub host_reason: Option<String>,
 }
 
 impl std::fmt::Display for GraphReport {
@@ -214,6 +220,9 @@ impl std::fmt::Display for GraphReport {
         )?;
         if let Some(why) = &self.last_failure {
             write!(f, " (last failure: {why})")?;
+        }
+        if let Some(why) = &self.host_reason {
+            write!(f, " (host-synchronized because {why})")?;
         }
         Ok(())
     }
