@@ -209,7 +209,9 @@ fn nan_like(
     ir: &TensorIr,
     device: &<Cuda as burn::tensor::backend::BackendTypes>::Device,
 ) -> CubeTensor<Runtime> {
-    let flat = Tensor::<Cuda, 1>::full([ir.shape.num_elements()], f32::NAN, device)
+    // An explicit dtype: the device's default is the caller's to set (burn fixes it at the
+    // first tensor created with it).
+    let flat = Tensor::<Cuda, 1>::full([ir.shape.num_elements()], f32::NAN, (device, DType::F32))
         .cast(ir.dtype)
         .into_primitive()
         .tensor();

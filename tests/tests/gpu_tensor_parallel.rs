@@ -354,6 +354,56 @@ fn bad_burn_ranks_are_typed_errors() {
     );
 }
 
+/// Set for the child process of the test below.
+const FRESH_PROCESS: &str = "SLIDESPARSE_TEST_FRESH_PROCESS";
+
+/// burn keeps one default float dtype per device, for every backend on that device type, and
+/// fixes it at the first tensor created with it: `BurnRanks::new` (whose check runs in f32)
+/// must leave it to the caller, or a bf16 model created after it computes in f32. Checked
+/// in a fresh process (this test binary again, running only the test after this one), where
+/// nothing else has touched the devices.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL (as libnccl.so on the loader path)"]
+fn burn_ranks_leave_the_default_dtype_to_the_caller() {
+    let child = "fresh_process_burn_ranks_then_a_bf16_default";
+    let run = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            child,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(FRESH_PROCESS, "1")
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{said}");
+    assert!(said.contains("1 passed"), "{said}");
+}
+
+#[test]
+#[ignore = "run in a fresh process by burn_ranks_leave_the_default_dtype_to_the_caller"]
+fn fresh_process_burn_ranks_then_a_bf16_default() {
+    if std::env::var_os(FRESH_PROCESS).is_none() {
+        return;
+    }
+    let ranks = BurnRanks::new(&devices()).unwrap();
+    for index in ranks.devices() {
+        let device = CudaDevice { index };
+        burn::tensor::set_default_dtypes::<Gpu16>(&device, DType::BF16, DType::I32)
+            .expect("BurnRanks::new fixed the device's default dtypes");
+        assert_eq!(
+            Tensor::<Gpu16, 2>::ones([1, 1], &device).dtype(),
+            DType::BF16
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs two NVIDIA GPUs and NCCL (as libnccl.so on the loader path)"]
 fn burn_ranks_over_every_gpu_sum_and_gather_on_plain_and_fusion() {

@@ -80,10 +80,14 @@ impl BurnRanks {
             devices,
             queueing: Mutex::default(),
         };
+        // The dtype is explicit: a tensor created with the device's default dtype would fix
+        // that default (burn keeps one per device, whatever the backend's float type) to
+        // f32 for the whole process, and the caller's bf16 model would then create f32
+        // activations.
         let ones: Vec<Tensor<CudaBackend<f32>, 2>> = ranks
             .devices
             .iter()
-            .map(|device| Tensor::ones([1, 1], device))
+            .map(|device| Tensor::ones([1, 1], (device, DType::F32)))
             .collect();
         let sums = Collective::<CudaBackend<f32>>::all_reduce_sum(&ranks, ones)?;
         let want = ranks.devices.len() as f32;
