@@ -27,7 +27,7 @@ use std::{
     time::Instant,
 };
 
-use burn::tensor::{Tensor, TensorPrimitive, backend::Backend};
+use burn::tensor::{DType, Tensor, TensorPrimitive, backend::Backend};
 use burn_collective::{AllReduceStrategy, CollectiveConfig, PeerId};
 use burn_slidesparse::{
     Collective,
@@ -187,7 +187,7 @@ fn parts<B: Backend>(
     devices
         .iter()
         .enumerate()
-        .map(|(rank, device)| Tensor::full([rows, WIDTH], value(rank), device))
+        .map(|(rank, device)| Tensor::full([rows, WIDTH], value(rank), (device, DType::BF16)))
         .collect()
 }
 
@@ -285,13 +285,13 @@ fn time_burn_collective(
                         .map_err(|e| format!("all_reduce: {e:?}"))?;
                         Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
                     };
-                    let ones = Tensor::full([1, WIDTH], (rank + 1) as f32, device);
+                    let ones = Tensor::full([1, WIDTH], (rank + 1) as f32, (device, DType::BF16));
                     check_sum("burn-collective", rank, ranks, sum(ones)?)?;
                     let mut mine = Vec::new();
                     for &bytes in sizes {
                         let one = time_calls(
                             args,
-                            Tensor::<Plain, 2>::zeros([rows(bytes), WIDTH], device),
+                            Tensor::<Plain, 2>::zeros([rows(bytes), WIDTH], (device, DType::BF16)),
                             sum,
                             |x| {
                                 // burn-collective sums on its own threads, in streams of

@@ -28,7 +28,7 @@ use std::{collections::BTreeMap, time::Instant};
 
 use burn::{
     module::{Module, ModuleVisitor, Param},
-    tensor::{Distribution, Int, Tensor, TensorData, backend::Backend},
+    tensor::{DType, Distribution, Int, Tensor, TensorData, backend::Backend, set_default_dtypes},
 };
 use burn_slidesparse::{
     Collective, DEFAULT_ALIGNMENT, PackOptions, PackedLinear, Precision, QuantizedLinear,
@@ -450,6 +450,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .into(),
             );
         }
+    }
+    // Every GPU computes in bf16, said before any tensor exists: burn keeps one default
+    // dtype per device for all of its CUDA backends and fixes it at the first tensor created
+    // with it, whichever backend's float type that has.
+    for index in 0..device_count()? {
+        let device = CudaDevice { index };
+        set_default_dtypes::<Plain>(&device, DType::BF16, DType::I32)
+            .map_err(|e| format!("GPU {index}'s default dtypes: {e:?}"))?;
     }
     if args.check {
         check_against_the_cpu::<Gpu>()?;

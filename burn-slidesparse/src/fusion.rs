@@ -60,7 +60,8 @@ pub struct FusionPrepared<P> {
 fn to_inner<B: FusionBackend, const D: usize>(t: Tensor<Fusion<B>, D>) -> Tensor<B, D> {
     let device = t.device();
     let data: TensorData = t.into_data();
-    Tensor::from_data(data, &device)
+    let dtype = data.dtype;
+    Tensor::from_data(data, (&device, dtype))
 }
 
 /// The inner layer a queued operation runs.

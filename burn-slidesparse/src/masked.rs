@@ -55,7 +55,7 @@ impl<B: Backend> MaskedLinear<B> {
         method: &PruneMethod,
     ) -> Result<Self> {
         let weight = linear.weight.val();
-        let device = weight.device();
+        let (device, dtype) = (weight.device(), weight.dtype());
         let [d_in, d_out] = weight.dims();
         // The pruner works on the PyTorch layout `[out, in]`, blocks along `in`.
         let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
@@ -65,7 +65,8 @@ impl<B: Backend> MaskedLinear<B> {
             .map(|v| if *v != 0.0 { 1.0 } else { 0.0 })
             .collect();
         let to_burn_layout = |values: Vec<f32>| {
-            Tensor::<B, 2>::from_data(TensorData::new(values, [d_out, d_in]), &device).transpose()
+            Tensor::<B, 2>::from_data(TensorData::new(values, [d_out, d_in]), (&device, dtype))
+                .transpose()
         };
         let mask = to_burn_layout(mask);
         let weight = to_burn_layout(pruned);

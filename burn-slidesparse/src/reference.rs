@@ -105,7 +105,7 @@ fn float_tensor<B: Backend>(data: TensorData, device: &B::Device) -> Tensor<B, 2
 /// The lifted `X' [M, K']`: `X'[m, o] = X[m, src(o)]`, zero where `src(o)` is padding.
 pub fn lift<B: Backend>(x: Tensor<B, 2>, lift: Tensor<B, 1, Int>) -> Tensor<B, 2> {
     let [m, _] = x.dims();
-    let zero = Tensor::zeros([m, 1], &x.device());
+    let zero = Tensor::zeros([m, 1], (&x.device(), x.dtype()));
     Tensor::cat(vec![x, zero], 1).select(1, lift)
 }
 

@@ -374,8 +374,15 @@ fn shard_dense<B: Backend>(
         .map(|(r, device)| {
             // Copies, not views: a narrowed view (and `to_device` on the same device) would
             // keep the whole weight alive and read it strided.
-            let copy = |t: Tensor<B, 2>| Tensor::<B, 2>::from_data(t.into_data(), device);
-            let copy1 = |t: Tensor<B, 1>| Tensor::<B, 1>::from_data(t.into_data(), device);
+            // In the layer's dtype: `from_data` would convert to the device's default.
+            let copy = |t: Tensor<B, 2>| {
+                let dtype = t.dtype();
+                Tensor::<B, 2>::from_data(t.into_data(), (device, dtype))
+            };
+            let copy1 = |t: Tensor<B, 1>| {
+                let dtype = t.dtype();
+                Tensor::<B, 1>::from_data(t.into_data(), (device, dtype))
+            };
             let weight = copy(layer.weight.val().narrow(axis, r * width, width));
             let bias = layer.bias.as_ref().and_then(|b| match parallelism {
                 Parallelism::Column => Some(copy1(b.val().narrow(0, r * width, width))),

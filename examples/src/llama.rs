@@ -100,7 +100,8 @@ pub fn tied_head<B: Backend>(embed: &Embedding<B>) -> MaybeSparseLinear<B> {
     // A contiguous copy of the transpose (a transposed view is re-copied by every NdArray
     // matmul).
     let weight = embed.weight.val();
-    let weight = Tensor::from_data(weight.clone().transpose().into_data(), &weight.device());
+    let (device, dtype) = (weight.device(), weight.dtype());
+    let weight = Tensor::from_data(weight.transpose().into_data(), (&device, dtype));
     Linear {
         weight: Param::from_tensor(weight),
         bias: None,
