@@ -46,11 +46,10 @@ use crate::{
 /// `DistributedBackend` (cubecl's NCCL): [`Collective`] for every such backend on CUDA
 /// devices, [`CudaBackend`] and [`CudaFusionBackend`](super::CudaFusionBackend) included.
 ///
-/// **Slow:** on one H200, a process that has created `BurnRanks` runs burn-cuda's work 3-7x
-/// slower, models that never all-reduce included (cause not established;
-/// `docs/decisions/tensor-parallel.md`). On the plain backend use
-/// [`NcclRanks`](super::NcclRanks); this is for burn's fusion backend, which that does not
-/// serve.
+/// Each call costs 2-6x what [`NcclRanks`](super::NcclRanks) costs (one H200: 6-9 µs on the
+/// plain backend, 18-20 µs on fusion, against 3 µs; `docs/decisions/tensor-parallel.md`):
+/// on the plain backend use `NcclRanks`; this is for burn's fusion backend, which that does
+/// not serve.
 ///
 /// `all_gather` has no counterpart in burn's API: it is an all-reduce of each rank's part
 /// placed in zeros (exact but for a `-0.0`, which becomes `+0.0`): inputs `R` times a part,
