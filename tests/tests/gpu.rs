@@ -727,11 +727,10 @@ fn bf16_layers_match_the_reference() {
                     .unwrap();
                 let yg = gpu
                     .try_forward(on_gpu::<GpuBf16, 2>(x, [m, k], DType::BF16))
-                    .unwrap()
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec::<f32>()
                     .unwrap();
+                // bf16 through and through (an f32 device default would give f32 here).
+                assert_eq!(yg.dtype(), DType::BF16);
+                let yg = yg.into_data().convert::<f32>().into_vec::<f32>().unwrap();
                 let err = rel_err(&yg, &yc);
                 report.push(format!(
                     "bf16 {pattern} {precision} m={m} k={k} n={n}: {err:.2e}"
@@ -890,12 +889,9 @@ fn quantized_linear_module_matches_the_reference() {
             assert!(err <= tolerance(precision), "{precision} f32: {err}");
             let bf16_layer =
                 QuantizedLinear::<GpuBf16>::from_quantized(&qw, Some(&b), &Default::default());
-            let y = bf16_layer
-                .forward(on_gpu::<GpuBf16, 2>(x.clone(), [m, k], DType::BF16))
-                .into_data()
-                .convert::<f32>()
-                .into_vec::<f32>()
-                .unwrap();
+            let y = bf16_layer.forward(on_gpu::<GpuBf16, 2>(x.clone(), [m, k], DType::BF16));
+            assert_eq!(y.dtype(), DType::BF16);
+            let y = y.into_data().convert::<f32>().into_vec::<f32>().unwrap();
             let err = rel_err(&y, &expected);
             println!("quantized module {precision} bf16 m={m} k={k} n={n}: {err:.2e}");
             assert!(err <= 2e-2, "{precision} bf16: {err}");
