@@ -340,6 +340,13 @@ pub fn shard_linear<B: Backend>(
     }
 }
 
+/// A copy of `t` on `device` in `t`'s own dtype (`from_data` alone would convert to the
+/// device's default).
+fn copy_to<B: Backend, const D: usize>(t: Tensor<B, D>, device: &B::Device) -> Tensor<B, D> {
+    let dtype = t.dtype();
+    Tensor::from_data(t.into_data(), (device, dtype))
+}
+
 /// [`shard_linear`] of an `nn::Linear` (weight `[in, out]`).
 fn shard_dense<B: Backend>(
     layer: &burn::nn::Linear<B>,
@@ -374,19 +381,10 @@ fn shard_dense<B: Backend>(
         .map(|(r, device)| {
             // Copies, not views: a narrowed view (and `to_device` on the same device) would
             // keep the whole weight alive and read it strided.
-            // In the layer's dtype: `from_data` would convert to the device's default.
-            let copy = |t: Tensor<B, 2>| {
-                let dtype = t.dtype();
-                Tensor::<B, 2>::from_data(t.into_data(), (device, dtype))
-            };
-            let copy1 = |t: Tensor<B, 1>| {
-                let dtype = t.dtype();
-                Tensor::<B, 1>::from_data(t.into_data(), (device, dtype))
-            };
-            let weight = copy(layer.weight.val().narrow(axis, r * width, width));
+            let weight = copy_to(layer.weight.val().narrow(axis, r * width, width), device);
             let bias = layer.bias.as_ref().and_then(|b| match parallelism {
-                Parallelism::Column => Some(copy1(b.val().narrow(0, r * width, width))),
-                Parallelism::Row => (r == 0).then(|| copy1(b.val())),
+                Parallelism::Column => Some(copy_to(b.val().narrow(0, r * width, width), device)),
+                Parallelism::Row => (r == 0).then(|| copy_to(b.val(), device)),
             });
             burn::nn::Linear {
                 weight: Param::from_tensor(weight),
