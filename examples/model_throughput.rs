@@ -599,13 +599,18 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
         args.model, args.layers, args.backend
     );
     println!(
-        "| variant | workload | 1 GPU ms | {ranks} ranks ms | speedup | tok/s 1 GPU | tok/s {ranks} ranks |"
+        "| variant | workload | 1 GPU ms | {ranks} ranks ms | speedup | tok/s 1 GPU | tok/s \
+         {ranks} ranks | host ms/step 1 GPU | host ms/step {ranks} ranks |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for (variant, what, tokens, one, split) in rows {
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (variant, what, tokens, one, split, host) in rows {
         let rate = |ms: f64| tokens as f64 / ms * 1e3;
+        let (host_one, host_split) = host.map_or(("".into(), "".into()), |(a, b)| {
+            (format!("{a:.3}"), format!("{b:.3}"))
+        });
         println!(
-            "| {variant} | {what} | {one:.3} | {split:.3} | {:.2}x | {:.0} | {:.0} |",
+            "| {variant} | {what} | {one:.3} | {split:.3} | {:.2}x | {:.0} | {:.0} | {host_one} \
+             | {host_split} |",
             one / split,
             rate(one),
             rate(split)
@@ -647,8 +652,9 @@ fn run_split<B: SlideSparseBackend<Device = CudaDevice>>(
     Ok(rows)
 }
 
-/// `(variant, workload, tokens per call, 1-GPU ms, split ms)`.
-type SplitRow = (String, String, usize, f64, f64);
+/// `(variant, workload, tokens per call, 1-GPU ms, split ms, host ms to queue a step on
+/// 1 GPU and split)`; the host times for decode only.
+type SplitRow = (String, String, usize, f64, f64, Option<(f64, f64)>);
 
 /// One variant's rows `(variant, workload, tokens, 1-GPU ms, split ms)`: first the logits
 /// of a 16-token prompt on both, then every workload alternately. The logits differ where
@@ -705,14 +711,31 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
                 start.elapsed().as_secs_f64() * 1e3
             },
         );
-        rows.push((variant.to_string(), format!("prefill {t}"), t, one, many));
+        rows.push((
+            variant.to_string(),
+            format!("prefill {t}"),
+            t,
+            one,
+            many,
+            None,
+        ));
     }
     for b in list(&args.decode_batch) {
         let mut one = Decoder::new(single, (b, args.context), args.steps, vocab);
         let mut many = SplitDecoder::new(split, collective, (b, args.context), args.steps, vocab)?;
         sync()?;
-        let (one, many) = alternate(args.reps, || one.run(false), || many.run(&sync));
-        rows.push((variant.to_string(), format!("decode {b}"), b, one, many));
+        let (one_ms, many_ms) = alternate(args.reps, || one.run(false), || many.run(&sync, false));
+        // What one process thread spends queuing a step (devices idle): with more ranks
+        // than GPU time per rank, this bounds the split step.
+        let host = alternate(args.reps.min(3), || one.run(true), || many.run(&sync, true));
+        rows.push((
+            variant.to_string(),
+            format!("decode {b}"),
+            b,
+            one_ms,
+            many_ms,
+            Some(host),
+        ));
     }
     // How the GEMMs ran on each GPU (a host-synchronized fallback shows here).
     for device in devices {
@@ -775,18 +798,30 @@ impl<'m, B: SlideSparseBackend, C: Collective<B>> SplitDecoder<'m, B, C> {
     }
 
     /// Ms per step of the steps back to back from the context (every device synced at the
-    /// end).
-    fn run(&mut self, sync: &impl Fn() -> Result<(), Box<dyn std::error::Error>>) -> f64 {
+    /// end); with `host`, the ms to queue a step, from a run that syncs after every step
+    /// (as [`Decoder::run`]).
+    fn run(
+        &mut self,
+        sync: &impl Fn() -> Result<(), Box<dyn std::error::Error>>,
+        host: bool,
+    ) -> f64 {
         self.cache.truncate(self.context);
         let start = Instant::now();
+        let mut queued = 0.0;
         for tokens in &self.tokens {
+            let t0 = Instant::now();
             let _ = self
                 .model
                 .forward_last(tokens.clone(), &mut self.cache, self.collective)
                 .expect("split decode step");
+            queued += t0.elapsed().as_secs_f64();
+            if host {
+                sync().expect("sync");
+            }
         }
         sync().expect("sync");
-        start.elapsed().as_secs_f64() * 1e3 / self.tokens.len() as f64
+        let total = start.elapsed().as_secs_f64();
+        1e3 / self.tokens.len() as f64 * if host { queued } else { total }
     }
 }
 
