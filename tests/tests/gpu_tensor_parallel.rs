@@ -470,3 +470,68 @@ fn run_burn_ranks<
         gathered.into_iter().map(host).collect(),
     )
 }
+
+/// `NcclRanks::all_reduce_sum_rank` from each rank's own thread (what
+/// `TensorParallelLlama::with_rank_threads` does): three chained sums per rank, each thread
+/// on its own burn stream, read back on that thread. On one GPU the sums are the parts, bit
+/// for bit; over every GPU, exact sums of small integers. A rank past the last and a
+/// tensor on another rank's device are typed errors.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL (as libnccl.so on the loader path)"]
+fn per_rank_all_reduces_from_each_ranks_thread_sum_over_every_gpu() {
+    let devices = devices();
+    let nccl = NcclRanks::new(&devices).unwrap();
+    let mut rng = rng(2407);
+    let (m, n) = (2, 4096);
+    let parts: Vec<Vec<f32>> = devices
+        .iter()
+        .map(|_| {
+            (0..m * n)
+                .map(|_| (rand::Rng::random_range(&mut rng, -8i32..=8)) as f32)
+                .collect()
+        })
+        .collect();
+    // Three rounds: the sum, then the sum of R copies of it, twice.
+    let r = devices.len() as f32;
+    let want: Vec<f32> = (0..m * n)
+        .map(|i| parts.iter().map(|p| p[i]).sum::<f32>() * r * r)
+        .collect();
+    std::thread::scope(|s| {
+        let threads: Vec<_> = devices
+            .iter()
+            .zip(&parts)
+            .enumerate()
+            .map(|(rank, (&d, part))| {
+                let nccl = &nccl;
+                s.spawn(move || {
+                    let mut x = on::<Gpu16>(part, [m, n], d, DType::BF16);
+                    for _ in 0..3 {
+                        x = nccl.all_reduce_sum_rank(rank, x).unwrap();
+                    }
+                    host(x)
+                })
+            })
+            .collect();
+        for (rank, t) in threads.into_iter().enumerate() {
+            let got = t.join().unwrap();
+            if devices.len() == 1 {
+                assert_eq!(bits(&got), bits(&parts[0]), "one rank: the part itself");
+            } else {
+                assert_eq!(got, want, "rank {rank}");
+            }
+        }
+    });
+    let x = on::<Gpu16>(&parts[0], [m, n], devices[0], DType::BF16);
+    let past = nccl.all_reduce_sum_rank(devices.len(), x.clone());
+    assert!(
+        matches!(past, Err(SlideSparseError::ShapeMismatch { .. })),
+        "{past:?}"
+    );
+    if devices.len() > 1 {
+        let wrong = nccl.all_reduce_sum_rank(1, x);
+        assert!(
+            matches!(wrong, Err(SlideSparseError::Unsupported { .. })),
+            "{wrong:?}"
+        );
+    }
+}

@@ -318,6 +318,46 @@ impl NcclRanks {
             .collect()
     }
 
+    /// Queues `call` on rank `rank`'s device thread, on `burn_stream` (the calling
+    /// thread's), into a buffer of `out_scale` times `x`'s length (`x` itself where that is
+    /// 1 and nothing else holds it); returns the output's handle.
+    fn queue_one(
+        &self,
+        call: Call,
+        rank: usize,
+        x: &CubeTensor<Runtime>,
+        burn_stream: usize,
+        out_scale: usize,
+    ) -> cubecl::server::Handle {
+        let count = x.meta.shape.num_elements();
+        let out_len = count * out_scale;
+        // An all-reduce of a buffer nothing else holds runs in place (NCCL allows it): no
+        // allocation per call.
+        let output = if out_scale == 1 && x.handle.can_mut() {
+            x.handle.clone()
+        } else {
+            x.client.empty(out_len * x.dtype.size())
+        };
+        let queued = Queued {
+            call,
+            input: x.handle.clone().binding(),
+            output: output.clone().binding(),
+            count,
+            out_len,
+            dtype: x.dtype,
+            stream_id: StreamId::current(),
+            burn_stream,
+            comm: self.ranks[rank].comm,
+        };
+        let health = self.health.clone();
+        self.ranks[rank].queue.submit(move |server: &mut Server| {
+            if let Err(error) = queued.run(&health, server) {
+                health.fail(error);
+            }
+        });
+        output
+    }
+
     /// Queues `call` on every rank (inputs checked by `prepare`), each into a buffer of
     /// `out_scale` times its input's length (the input itself where that is 1 and nothing
     /// else holds it), and returns the outputs' handles.
@@ -332,37 +372,12 @@ impl NcclRanks {
         let streams = (0..self.ranks.len())
             .map(|rank| self.burn_stream(rank))
             .collect::<Result<Vec<_>>>()?;
-        let stream_id = StreamId::current();
-        let mut outputs = Vec::with_capacity(inputs.len());
-        for ((x, rank), burn_stream) in inputs.iter().zip(&self.ranks).zip(streams) {
-            let count = x.meta.shape.num_elements();
-            let out_len = count * out_scale;
-            // An all-reduce of a buffer nothing else holds runs in place (NCCL allows it):
-            // no allocation per call.
-            let output = if out_scale == 1 && x.handle.can_mut() {
-                x.handle.clone()
-            } else {
-                x.client.empty(out_len * x.dtype.size())
-            };
-            let queued = Queued {
-                call,
-                input: x.handle.clone().binding(),
-                output: output.clone().binding(),
-                count,
-                out_len,
-                dtype: x.dtype,
-                stream_id,
-                burn_stream,
-                comm: rank.comm,
-            };
-            let health = self.health.clone();
-            rank.queue.submit(move |server: &mut Server| {
-                if let Err(error) = queued.run(&health, server) {
-                    health.fail(error);
-                }
-            });
-            outputs.push(output);
-        }
+        let outputs = inputs
+            .iter()
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, (x, burn_stream))| self.queue_one(call, rank, x, burn_stream, out_scale))
+            .collect();
         // Every rank's call must be issued for any rank's kernel to finish (one rank waits
         // on no peer: its queue is issued in its own time).
         if self.ranks.len() > 1 {
@@ -371,6 +386,71 @@ impl NcclRanks {
             }
         }
         Ok(outputs)
+    }
+}
+
+impl NcclRanks {
+    /// Rank `rank`'s part of an all-reduce (sum), called by the thread that drives that
+    /// rank: NCCL's one-thread-per-GPU use, for a program that runs each rank on its own
+    /// thread. The call is queued on the rank's device thread, on burn's stream of the
+    /// calling thread, and returns at once; the sum lands where the peers' calls meet it on
+    /// the GPUs.
+    ///
+    /// Every rank's thread must make the same calls in the same order, and a program uses
+    /// either these or the all-rank [`Collective`] calls, not both: nothing pairs one
+    /// thread's call with another's here. A rank that stops before making its call must
+    /// [`abort`](Self::abort), or its peers' kernels wait forever.
+    ///
+    /// Errors: as [`Collective::all_reduce_sum`], for this rank's tensor alone; the error of
+    /// an earlier call that failed on a device thread.
+    pub fn all_reduce_sum_rank<F: FloatElement>(
+        &self,
+        rank: usize,
+        part: Tensor<CudaBackend<F>, 2>,
+    ) -> Result<Tensor<CudaBackend<F>, 2>> {
+        let Some(this) = self.ranks.get(rank) else {
+            return Err(SlideSparseError::shape(
+                "all_reduce_sum_rank: rank",
+                self.ranks.len(),
+                rank + 1,
+            ));
+        };
+        let x = into_contiguous(part.into_primitive().tensor());
+        if x.device.index != this.device {
+            return Err(SlideSparseError::Unsupported {
+                what: "NCCL all_reduce_sum_rank".into(),
+                why: format!(
+                    "rank {rank} is CUDA device {}, its tensor is on device {}",
+                    this.device, x.device.index
+                ),
+            });
+        }
+        nccl_type(x.dtype)?;
+        self.take_failures()?;
+        let burn_stream = self.burn_stream(rank)?;
+        let output = self.queue_one(Call::AllReduceSum, rank, &x, burn_stream, 1);
+        if self.ranks.len() > 1 {
+            // The peers' kernels wait for this one: issue it now.
+            this.queue.flush_queue();
+        }
+        Ok(float(CubeTensor::new_contiguous(
+            x.client.clone(),
+            x.device.clone(),
+            x.meta.shape.clone(),
+            output,
+            x.dtype,
+        )))
+    }
+
+    /// Aborts every rank's communicator (once), so that no peer's kernel waits for a call
+    /// a rank will not make; later calls are refused. For programs driving each rank from
+    /// its own thread ([`all_reduce_sum_rank`](Self::all_reduce_sum_rank)) when a rank's
+    /// step fails before its call.
+    pub fn abort(&self, why: &str) {
+        self.health.fail(SlideSparseError::Unsupported {
+            what: "NCCL collective".into(),
+            why: format!("a rank stopped before its call: {why}"),
+        });
     }
 }
 
