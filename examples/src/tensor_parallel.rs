@@ -26,6 +26,9 @@ use burn_slidesparse::{
 
 use crate::llama::{Block, Llama, Projections};
 
+mod threads;
+pub use threads::{MeetingRanks, RankCollective, RankThreads};
+
 type Result<T> = burn_slidesparse::Result<T>;
 
 /// A rank's residual stream and the output still to be added to it (`None` before the
@@ -270,6 +273,45 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
         collective: &impl Collective<B>,
     ) -> Result<Tensor<B, 2>> {
         let hidden = self.hidden_states(tokens, cache, collective)?;
+        self.last_logits(hidden)
+    }
+
+    /// Checks a forward's token tensors, collective and cache against the ranks; returns
+    /// the count of new tokens.
+    fn check_call(
+        &self,
+        tokens: &[Tensor<B, 2, Int>],
+        collective_ranks: usize,
+        cache: &TensorParallelCache<B>,
+    ) -> Result<usize> {
+        let ranks = self.ranks();
+        for (what, got) in [
+            ("token tensors", tokens.len()),
+            ("the collective's ranks", collective_ranks),
+            ("the cache's ranks", cache.ranks.len()),
+        ] {
+            if got != ranks {
+                return Err(SlideSparseError::shape(
+                    format!("TensorParallelLlama: {what}"),
+                    ranks,
+                    got,
+                ));
+            }
+        }
+        let [batch, t] = tokens[0].dims();
+        if t == 0 || batch != cache.batch || cache.len + t > cache.capacity {
+            return Err(SlideSparseError::shape(
+                "TensorParallelLlama: [batch, cached + new tokens] within the cache",
+                [cache.batch, cache.capacity],
+                [batch, cache.len + t],
+            ));
+        }
+        Ok(t)
+    }
+
+    /// Logits `[batch, vocab]` of the last position of rank 0's residual stream `[batch, t,
+    /// hidden]`.
+    fn last_logits(&self, hidden: Tensor<B, 3>) -> Result<Tensor<B, 2>> {
         let [batch, t, width] = hidden.dims();
         let last = hidden
             .slice([0..batch, t - 1..t, 0..width])
@@ -284,29 +326,8 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
         cache: &mut TensorParallelCache<B>,
         collective: &impl Collective<B>,
     ) -> Result<Tensor<B, 3>> {
-        let ranks = self.ranks();
-        for (what, got) in [
-            ("token tensors", tokens.len()),
-            ("the collective's ranks", collective.ranks()),
-            ("the cache's ranks", cache.ranks.len()),
-        ] {
-            if got != ranks {
-                return Err(SlideSparseError::shape(
-                    format!("TensorParallelLlama: {what}"),
-                    ranks,
-                    got,
-                ));
-            }
-        }
-        let [batch, t] = tokens[0].dims();
+        let t = self.check_call(&tokens, collective.ranks(), cache)?;
         let start = cache.len;
-        if t == 0 || batch != cache.batch || start + t > cache.capacity {
-            return Err(SlideSparseError::shape(
-                "TensorParallelLlama: [batch, cached + new tokens] within the cache",
-                [cache.batch, cache.capacity],
-                [batch, start + t],
-            ));
-        }
         let mut streams: Vec<Residual<B>> = self
             .ranks
             .iter()
@@ -335,29 +356,17 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
     ) -> Result<Vec<Residual<B>>> {
         let mut residuals = Vec::with_capacity(self.ranks());
         let mut partials = Vec::with_capacity(self.ranks());
-        for ((rank, (x, delta)), slots) in self.ranks.iter().zip(streams).zip(&mut cache.ranks) {
-            let shard = &rank.blocks[b];
-            let (x, qkv) = match delta {
-                Some(delta) => add_rms_norm_linear(x, delta, &shard.attn_norm, &shard.qkv)?,
-                None => (x.clone(), rms_norm_linear(x, &shard.attn_norm, &shard.qkv)?),
-            };
-            let (keys, values) = &mut slots[b];
-            let step = RopeAttention {
-                rope: &rank.rope,
-                start,
-                heads: self.heads,
-                scale: None,
-            };
-            partials.push(rope_attention_linear(qkv, keys, values, step, &shard.o)?);
+        for ((rank, stream), slots) in self.ranks.iter().zip(streams).zip(&mut cache.ranks) {
+            let (x, partial) = rank.attention_half(b, stream, &mut slots[b], start, self.heads)?;
+            partials.push(partial);
             residuals.push(x);
         }
         let attended = sum_over_ranks(partials, collective)?;
         let mut next = Vec::with_capacity(self.ranks());
         let mut partials = Vec::with_capacity(self.ranks());
         for ((rank, x), delta) in self.ranks.iter().zip(residuals).zip(attended) {
-            let shard = &rank.blocks[b];
-            let (h, gate_up) = add_rms_norm_linear(x, delta, &shard.mlp_norm, &shard.gate_up)?;
-            partials.push(silu_mul_linear(gate_up, &shard.down)?);
+            let (h, partial) = rank.mlp_half(b, x, delta)?;
+            partials.push(partial);
             next.push(h);
         }
         let mlp = sum_over_ranks(partials, collective)?;
@@ -366,6 +375,46 @@ impl<B: SlideSparseBackend> TensorParallelLlama<B> {
             .zip(mlp)
             .map(|(h, m)| (h, Some(m)))
             .collect())
+    }
+}
+
+impl<B: SlideSparseBackend> RankModel<B> {
+    /// The attention half of block `b` on this rank's `(x, delta)`: the residual stream
+    /// `x + delta` and this rank's partial output of `o` (to be summed over the ranks).
+    fn attention_half(
+        &self,
+        b: usize,
+        (x, delta): Residual<B>,
+        (keys, values): &mut (Tensor<B, 4>, Tensor<B, 4>),
+        start: usize,
+        heads: (usize, usize),
+    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>)> {
+        let shard = &self.blocks[b];
+        let (x, qkv) = match delta {
+            Some(delta) => add_rms_norm_linear(x, delta, &shard.attn_norm, &shard.qkv)?,
+            None => (x.clone(), rms_norm_linear(x, &shard.attn_norm, &shard.qkv)?),
+        };
+        let step = RopeAttention {
+            rope: &self.rope,
+            start,
+            heads,
+            scale: None,
+        };
+        let partial = rope_attention_linear(qkv, keys, values, step, &shard.o)?;
+        Ok((x, partial))
+    }
+
+    /// The MLP half of block `b`: the residual stream `x + attended` and this rank's
+    /// partial output of `down`.
+    fn mlp_half(
+        &self,
+        b: usize,
+        x: Tensor<B, 3>,
+        attended: Tensor<B, 3>,
+    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>)> {
+        let shard = &self.blocks[b];
+        let (h, gate_up) = add_rms_norm_linear(x, attended, &shard.mlp_norm, &shard.gate_up)?;
+        Ok((h, silu_mul_linear(gate_up, &shard.down)?))
     }
 }
 

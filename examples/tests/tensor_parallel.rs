@@ -14,7 +14,7 @@ use burn_slidesparse::{
 };
 use slidesparse_examples::{
     llama::{KvCache, Llama, LlamaConfig},
-    tensor_parallel::TensorParallelLlama,
+    tensor_parallel::{MeetingRanks, RankCollective, TensorParallelLlama},
 };
 
 type B = NdArray;
@@ -213,4 +213,104 @@ fn splits_that_cannot_work_are_typed_errors() {
         matches!(wrong, Err(SlideSparseError::ShapeMismatch { .. })),
         "{wrong:?}"
     );
+}
+
+/// Every call's last-position logits, each rank driven by its own thread
+/// (`with_rank_threads`), the ranks meeting at each all-reduce.
+fn split_threaded(model: &Llama<B>, ranks: usize) -> Vec<Vec<f32>> {
+    let tp = TensorParallelLlama::split(model, &vec![Default::default(); ranks]).unwrap();
+    let simulated = SimulatedRanks::new(ranks).unwrap();
+    let meeting = MeetingRanks::new(&simulated);
+    let mut cache = tp.cache(1, 16);
+    tp.with_rank_threads(&meeting, |threads| {
+        CALLS
+            .iter()
+            .map(|call| {
+                let logits = threads
+                    .forward_last(tp.upload(&ids(call)), &mut cache)
+                    .unwrap();
+                logits.into_data().into_vec().unwrap()
+            })
+            .collect()
+    })
+}
+
+/// The same, one thread driving every rank (`forward_last`).
+fn split_last(model: &Llama<B>, ranks: usize) -> Vec<Vec<f32>> {
+    let tp = TensorParallelLlama::split(model, &vec![Default::default(); ranks]).unwrap();
+    let collective = SimulatedRanks::new(ranks).unwrap();
+    let mut cache = tp.cache(1, 16);
+    CALLS
+        .iter()
+        .map(|call| {
+            let logits = tp
+                .forward_last(tp.upload(&ids(call)), &mut cache, &collective)
+                .unwrap();
+            logits.into_data().into_vec().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn rank_threads_give_the_single_threads_logits_bit_for_bit() {
+    for (what, options) in [
+        (
+            "6:8 F32",
+            PackOptions::new(SparsityPattern::P6_8, Precision::F32),
+        ),
+        (
+            "6:8 INT8",
+            PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+        ),
+    ] {
+        let mut model = model(10);
+        sparsify(&mut model, &options, |name| name != "lm_head").unwrap();
+        for ranks in [1, 2, 4] {
+            assert_eq!(
+                split_threaded(&model, ranks),
+                split_last(&model, ranks),
+                "{what}, {ranks} ranks"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_aborts_fails_its_peers_instead_of_leaving_them_waiting() {
+    let simulated = SimulatedRanks::new(2).unwrap();
+    let meeting: MeetingRanks<'_, B, _> = MeetingRanks::new(&simulated);
+    let part = || Tensor::<B, 2>::ones([1, 4], &Default::default());
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| meeting.all_reduce_sum_rank(1, part()));
+        meeting.abort("rank 0 failed");
+        let got = waiting.join().unwrap();
+        assert!(
+            matches!(&got, Err(SlideSparseError::Backend(why)) if why.contains("failed")),
+            "{got:?}"
+        );
+    });
+    let later = meeting.all_reduce_sum_rank(0, part());
+    assert!(later.is_err(), "{later:?}");
+}
+
+#[test]
+fn rank_threads_refuse_a_call_past_the_cache_and_keep_it() {
+    let model = model(11);
+    let tp = TensorParallelLlama::split(&model, &[Default::default(); 2]).unwrap();
+    let simulated = SimulatedRanks::new(2).unwrap();
+    let meeting = MeetingRanks::new(&simulated);
+    let mut cache = tp.cache(1, 4);
+    tp.with_rank_threads(&meeting, |threads| {
+        let long = threads.forward_last(tp.upload(&ids(&[1, 2, 3, 4, 5])), &mut cache);
+        assert!(
+            matches!(long, Err(SlideSparseError::ShapeMismatch { .. })),
+            "{long:?}"
+        );
+        assert_eq!(cache.len(), 0);
+        // The threads still serve the next call, with the cache they were handed back.
+        threads
+            .forward_last(tp.upload(&ids(&[1, 2])), &mut cache)
+            .unwrap();
+        assert_eq!(cache.len(), 2);
+    });
 }
