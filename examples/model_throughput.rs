@@ -45,7 +45,7 @@ use clap::Parser;
 use half::bf16;
 use slidesparse_examples::{
     llama::{KvCache, Llama, LlamaConfig},
-    tensor_parallel::{TensorParallelCache, TensorParallelLlama},
+    tensor_parallel::{MeetingRanks, RankCollective, TensorParallelCache, TensorParallelLlama},
 };
 
 /// burn-cuda with fusion (the default), bf16 activations.
@@ -128,6 +128,11 @@ struct Args {
     /// tensor parallelism.
     #[arg(long)]
     tp_simulate: bool,
+    /// With `--tensor-parallel`: one driving thread per rank (`with_rank_threads`), each
+    /// rank's all-reduce called by its own thread (NCCL), or the ranks meeting at each
+    /// (`--tp-simulate`); `--collective burn` has no per-rank form.
+    #[arg(long)]
+    rank_threads: bool,
 }
 
 /// The shapes of a named model with `layers` blocks.
@@ -581,17 +586,35 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
         (None, true) => "burn",
         (None, false) => "nccl",
     };
-    let how = if args.tp_simulate {
-        format!("{ranks} simulated ranks on GPU 0 (not tensor parallelism)")
+    if args.rank_threads && collective == "burn" && !args.tp_simulate {
+        return Err(
+            "--rank-threads: BurnRanks has no per-rank call; use --collective nccl (plain) \
+                    or --tp-simulate"
+                .into(),
+        );
+    }
+    let threads = if args.rank_threads {
+        ", one thread per rank"
     } else {
-        format!("{ranks} GPU(s), all-reduce: {collective}")
+        ""
+    };
+    let how = if args.tp_simulate {
+        format!("{ranks} simulated ranks on GPU 0 (not tensor parallelism){threads}")
+    } else {
+        format!("{ranks} GPU(s), all-reduce: {collective}{threads}")
     };
     let rows = match (args.tp_simulate, fusion, collective) {
-        (true, true, _) => run_split::<Gpu>(args, &indices, &SimulatedRanks::new(ranks)?)?,
-        (true, false, _) => run_split::<Plain>(args, &indices, &SimulatedRanks::new(ranks)?)?,
-        (false, false, "nccl") => run_split::<Plain>(args, &indices, &NcclRanks::new(&indices)?)?,
-        (false, false, _) => run_split::<Plain>(args, &indices, &BurnRanks::new(&indices)?)?,
-        (false, true, _) => run_split::<Gpu>(args, &indices, &BurnRanks::new(&indices)?)?,
+        (true, true, _) => simulated::<Gpu>(args, &indices)?,
+        (true, false, _) => simulated::<Plain>(args, &indices)?,
+        (false, false, "nccl") => {
+            let nccl = NcclRanks::new(&indices)?;
+            let threads = args
+                .rank_threads
+                .then_some(&nccl as &dyn RankCollective<Plain>);
+            run_split::<Plain>(args, &indices, &nccl, threads)?
+        }
+        (false, false, _) => run_split::<Plain>(args, &indices, &BurnRanks::new(&indices)?, None)?,
+        (false, true, _) => run_split::<Gpu>(args, &indices, &BurnRanks::new(&indices)?, None)?,
     };
     println!(
         "\n{} with {} blocks, bf16 activations, {} backend; one GPU and {how} alternately \
@@ -619,12 +642,28 @@ fn run_tensor_parallel(args: &Args, ranks: usize) -> Result<(), Box<dyn std::err
     Ok(())
 }
 
+/// [`run_split`] over the simulated collective, met by the ranks' threads with
+/// `--rank-threads`.
+fn simulated<B: SlideSparseBackend<Device = CudaDevice>>(
+    args: &Args,
+    indices: &[usize],
+) -> Result<Vec<SplitRow>, Box<dyn std::error::Error>> {
+    let simulated = SimulatedRanks::new(indices.len())?;
+    let meeting = MeetingRanks::new(&simulated);
+    let threads = args
+        .rank_threads
+        .then_some(&meeting as &dyn RankCollective<B>);
+    run_split::<B>(args, indices, &simulated, threads)
+}
+
 /// Every variant built on `B` (GPU 0), split over the CUDA devices `indices` and combined by
-/// `collective`, then fused and prepared as the one-GPU model, and timed against it.
+/// `collective` (or by `threads`, one driving thread per rank), then fused and prepared as
+/// the one-GPU model, and timed against it.
 fn run_split<B: SlideSparseBackend<Device = CudaDevice>>(
     args: &Args,
     indices: &[usize],
     collective: &impl Collective<B>,
+    threads: Option<&dyn RankCollective<B>>,
 ) -> Result<Vec<SplitRow>, Box<dyn std::error::Error>> {
     let devices: Vec<CudaDevice> = indices.iter().map(|&index| CudaDevice { index }).collect();
     let config = config(&args.model, args.layers)?;
@@ -641,13 +680,17 @@ fn run_split<B: SlideSparseBackend<Device = CudaDevice>>(
             devices.len(),
             started.elapsed().as_secs_f64()
         );
-        rows.extend(time_split(
-            args,
-            variant,
-            (&single, &split),
-            collective,
-            &devices,
-        )?);
+        let timed = match threads {
+            None => time_split(args, variant, (&single, &split), &devices, &mut |t, c| {
+                split.forward_last(t, c, collective)
+            }),
+            Some(threads) => split.with_rank_threads(threads, |threads| {
+                time_split(args, variant, (&single, &split), &devices, &mut |t, c| {
+                    threads.forward_last(t, c)
+                })
+            }),
+        };
+        rows.extend(timed?);
     }
     Ok(rows)
 }
@@ -665,8 +708,8 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
     args: &Args,
     variant: &str,
     (single, split): (&Llama<B>, &TensorParallelLlama<B>),
-    collective: &impl Collective<B>,
     devices: &[CudaDevice],
+    forward: &mut SplitForward<'_, B>,
 ) -> Result<Vec<SplitRow>, Box<dyn std::error::Error>> {
     let vocab = single.embed.weight.dims()[0];
     let sync = || -> Result<(), Box<dyn std::error::Error>> {
@@ -680,7 +723,7 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
         Tensor::from_data(prompt.clone(), &devices[0]),
         &mut KvCache::default(),
     );
-    let got = split.forward_last(split.upload(&prompt), &mut split.cache(1, 16), collective)?;
+    let got = forward(split.upload(&prompt), &mut split.cache(1, 16))?;
     let read = |t: Tensor<B, 2>| t.into_data().convert::<f32>().into_vec::<f32>();
     let error = relative_l2(&read(want)?, &read(got)?);
     eprintln!(
@@ -703,9 +746,7 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
             || {
                 let start = Instant::now();
                 let mut cache = split.cache(1, t);
-                let _ = split
-                    .forward_last(on_ranks.clone(), &mut cache, collective)
-                    .expect("split prefill");
+                let _ = forward(on_ranks.clone(), &mut cache).expect("split prefill");
                 sync().expect("sync");
                 drop(cache);
                 start.elapsed().as_secs_f64() * 1e3
@@ -722,12 +763,20 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
     }
     for b in list(&args.decode_batch) {
         let mut one = Decoder::new(single, (b, args.context), args.steps, vocab);
-        let mut many = SplitDecoder::new(split, collective, (b, args.context), args.steps, vocab)?;
+        let mut many = SplitDecoder::new(split, forward, (b, args.context), args.steps, vocab)?;
         sync()?;
-        let (one_ms, many_ms) = alternate(args.reps, || one.run(false), || many.run(&sync, false));
+        let (one_ms, many_ms) = alternate(
+            args.reps,
+            || one.run(false),
+            || many.run(forward, &sync, false),
+        );
         // What one process thread spends queuing a step (devices idle): with more ranks
         // than GPU time per rank, this bounds the split step.
-        let host = alternate(args.reps.min(3), || one.run(true), || many.run(&sync, true));
+        let host = alternate(
+            args.reps.min(3),
+            || one.run(true),
+            || many.run(forward, &sync, true),
+        );
         rows.push((
             variant.to_string(),
             format!("decode {b}"),
@@ -758,20 +807,26 @@ fn host_tokens(batch: usize, t: usize, vocab: usize, seed: u64) -> TensorData {
     TensorData::new(ids, [batch, t])
 }
 
+/// A split model's forward (last-position logits): on one thread over a [`Collective`], or
+/// by the ranks' threads.
+type SplitForward<'f, B> = dyn FnMut(
+        Vec<Tensor<B, 2, Int>>,
+        &mut TensorParallelCache<B>,
+    ) -> burn_slidesparse::Result<Tensor<B, 2>>
+    + 'f;
+
 /// [`Decoder`] for the split model.
-struct SplitDecoder<'m, B: SlideSparseBackend, C: Collective<B>> {
-    model: &'m TensorParallelLlama<B>,
-    collective: &'m C,
+struct SplitDecoder<B: SlideSparseBackend> {
     cache: TensorParallelCache<B>,
     /// Each step's ids, uploaded to every rank before the timed runs (as `Decoder`'s).
     tokens: Vec<Vec<Tensor<B, 2, Int>>>,
     context: usize,
 }
 
-impl<'m, B: SlideSparseBackend, C: Collective<B>> SplitDecoder<'m, B, C> {
+impl<B: SlideSparseBackend> SplitDecoder<B> {
     fn new(
-        model: &'m TensorParallelLlama<B>,
-        collective: &'m C,
+        model: &TensorParallelLlama<B>,
+        forward: &mut SplitForward<'_, B>,
         (b, context): (usize, usize),
         steps: usize,
         vocab: usize,
@@ -785,12 +840,10 @@ impl<'m, B: SlideSparseBackend, C: Collective<B>> SplitDecoder<'m, B, C> {
         while done < context {
             let t = chunk.min(context - done);
             let ids = model.upload(&host_tokens(b, t, vocab, 3));
-            model.forward_last(ids, &mut cache, collective)?;
+            forward(ids, &mut cache)?;
             done += t;
         }
         Ok(Self {
-            model,
-            collective,
             cache,
             tokens,
             context,
@@ -802,6 +855,7 @@ impl<'m, B: SlideSparseBackend, C: Collective<B>> SplitDecoder<'m, B, C> {
     /// (as [`Decoder::run`]).
     fn run(
         &mut self,
+        forward: &mut SplitForward<'_, B>,
         sync: &impl Fn() -> Result<(), Box<dyn std::error::Error>>,
         host: bool,
     ) -> f64 {
@@ -810,10 +864,7 @@ impl<'m, B: SlideSparseBackend, C: Collective<B>> SplitDecoder<'m, B, C> {
         let mut queued = 0.0;
         for tokens in &self.tokens {
             let t0 = Instant::now();
-            let _ = self
-                .model
-                .forward_last(tokens.clone(), &mut self.cache, self.collective)
-                .expect("split decode step");
+            let _ = forward(tokens.clone(), &mut self.cache).expect("split decode step");
             queued += t0.elapsed().as_secs_f64();
             if host {
                 sync().expect("sync");
