@@ -26,6 +26,7 @@
 //! every later call then fails too.
 
 use std::{
+    panic::{AssertUnwindSafe, catch_unwind},
     sync::{
         Mutex,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -156,7 +157,17 @@ where
                     let sum = collective.all_reduce_sum_rank(rank, flat)?;
                     Ok(sum.reshape([batch, t, width]))
                 };
-                let out = part.run(&mut job, heads, sum);
+                // A panic in a rank's step must not leave its peers waiting at the next
+                // all-reduce: it is this rank's error, and the collective is aborted.
+                let out = catch_unwind(AssertUnwindSafe(|| part.run(&mut job, heads, sum)))
+                    .unwrap_or_else(|panic| {
+                        let why = panic
+                            .downcast_ref::<String>()
+                            .map(String::as_str)
+                            .or_else(|| panic.downcast_ref::<&str>().copied())
+                            .unwrap_or("a panic");
+                        Err(SlideSparseError::Backend(format!("panicked: {why}")))
+                    });
                 if let Err(e) = &out {
                     collective.abort(&format!("rank {rank}: {e}"));
                 }
@@ -178,6 +189,13 @@ impl<B: SlideSparseBackend> RankModel<B> {
         heads: (usize, usize),
         mut sum: impl FnMut(Tensor<B, 3>) -> Result<Tensor<B, 3>>,
     ) -> Result<Tensor<B, 3>> {
+        if job.slots.len() != self.blocks.len() {
+            return Err(SlideSparseError::shape(
+                "TensorParallelLlama: a rank's cache blocks (a forward that failed lost them)",
+                self.blocks.len(),
+                job.slots.len(),
+            ));
+        }
         let mut stream: Residual<B> = (self.embed.forward(job.tokens.clone()), None);
         for (b, slots) in (0..self.blocks.len()).zip(&mut job.slots) {
             let (x, partial) = self.attention_half(b, stream, slots, job.start, heads)?;
