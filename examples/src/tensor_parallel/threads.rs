@@ -111,9 +111,9 @@ where
     B::Device: Sync,
 {
     /// Runs `body` with one thread per rank driving that rank's part of every forward
-    /// ([`RankThreads::forward_last`]); the threads end with `body`. The same model and
-    /// results as [`forward_last`](Self::forward_last) on one thread, with `collective`
-    /// called by whichever rank's thread reaches an all-reduce last.
+    /// ([`RankThreads::forward_last`]); the threads end with `body`. The same operations
+    /// and results as [`forward_last`](Self::forward_last) on one thread, each rank's
+    /// all-reduces called by its own thread through `collective`.
     pub fn with_rank_threads<C, R>(
         &self,
         collective: &C,
@@ -231,20 +231,25 @@ impl<B: SlideSparseBackend> RankThreads<'_, B> {
             send.send(job).map_err(|_| gone())?;
         }
         let mut hidden = None;
-        let mut failed = None;
+        // Every rank's error: after one rank fails, its peers fail at their next
+        // all-reduce too, and the first to answer need not be the cause.
+        let mut failed = Vec::new();
         for _ in 0..self.jobs.len() {
             let (rank, slots, out) = self.outcomes.recv().map_err(|_| gone())?;
             cache.ranks[rank] = slots;
             match out {
                 Ok(h) if rank == 0 => hidden = Some(h),
                 Ok(_) => {}
-                Err(e) => {
-                    failed.get_or_insert(SlideSparseError::Backend(format!("rank {rank}: {e}")));
-                }
+                Err(e) => failed.push((rank, e.to_string())),
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
+        if !failed.is_empty() {
+            failed.sort();
+            let each: Vec<String> = failed
+                .iter()
+                .map(|(r, e)| format!("rank {r}: {e}"))
+                .collect();
+            return Err(SlideSparseError::Backend(each.join("; ")));
         }
         cache.len = start + t;
         self.model.last_logits(hidden.ok_or_else(gone)?)
