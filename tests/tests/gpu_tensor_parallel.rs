@@ -44,6 +44,18 @@ fn on<B: burn::tensor::backend::Backend<Device = CudaDevice>>(
     )
 }
 
+/// `ranks` parts of `len` integers in -8..=8: every partial sum of them is exact in bf16
+/// and f32, in any order.
+fn small_integer_parts(rng: &mut impl rand::Rng, ranks: usize, len: usize) -> Vec<Vec<f32>> {
+    (0..ranks)
+        .map(|_| {
+            (0..len)
+                .map(|_| rng.random_range(-8i32..=8) as f32)
+                .collect()
+        })
+        .collect()
+}
+
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
@@ -213,15 +225,7 @@ fn all_reduce_over_every_gpu_sums_in_bf16_and_f32() {
     let nccl = NcclRanks::new(&devices).unwrap();
     let mut rng = rng(2404);
     let (m, n) = (3, 4096);
-    // Small integers: every partial sum is exact in bf16 and f32, in any order.
-    let parts: Vec<Vec<f32>> = devices
-        .iter()
-        .map(|_| {
-            (0..m * n)
-                .map(|_| (rand::Rng::random_range(&mut rng, -8i32..=8)) as f32)
-                .collect()
-        })
-        .collect();
+    let parts = small_integer_parts(&mut rng, devices.len(), m * n);
     let sum: Vec<f32> = (0..m * n)
         .map(|i| parts.iter().map(|p| p[i]).sum())
         .collect();
@@ -416,15 +420,7 @@ fn burn_ranks_over_every_gpu_sum_and_gather_on_plain_and_fusion() {
     let mut rng = rng(2406);
     let (m, n) = (3, 4096);
     for round in 0..6 {
-        // Small integers: every partial sum is exact in bf16 and f32, in any order.
-        let parts: Vec<Vec<f32>> = devices
-            .iter()
-            .map(|_| {
-                (0..m * n)
-                    .map(|_| (rand::Rng::random_range(&mut rng, -8i32..=8)) as f32)
-                    .collect()
-            })
-            .collect();
+        let parts = small_integer_parts(&mut rng, devices.len(), m * n);
         let sum: Vec<f32> = (0..m * n)
             .map(|i| parts.iter().map(|p| p[i]).sum())
             .collect();
@@ -483,14 +479,7 @@ fn per_rank_all_reduces_from_each_ranks_thread_sum_over_every_gpu() {
     let nccl = NcclRanks::new(&devices).unwrap();
     let mut rng = rng(2407);
     let (m, n) = (2, 4096);
-    let parts: Vec<Vec<f32>> = devices
-        .iter()
-        .map(|_| {
-            (0..m * n)
-                .map(|_| (rand::Rng::random_range(&mut rng, -8i32..=8)) as f32)
-                .collect()
-        })
-        .collect();
+    let parts = small_integer_parts(&mut rng, devices.len(), m * n);
     // Three rounds: the sum, then the sum of R copies of it, twice.
     let r = devices.len() as f32;
     let want: Vec<f32> = (0..m * n)
