@@ -471,8 +471,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(ranks) = args.tensor_parallel {
         return run_tensor_parallel(&args, ranks);
     }
-    if args.collective.is_some() || args.tp_simulate {
-        return Err("--collective and --tp-simulate go with --tensor-parallel".into());
+    if args.collective.is_some() || args.tp_simulate || args.rank_threads {
+        return Err(
+            "--collective, --tp-simulate and --rank-threads go with --tensor-parallel".into(),
+        );
     }
     match args.backend.as_str() {
         "fusion" => run::<Gpu>(&args),
