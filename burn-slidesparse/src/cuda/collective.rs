@@ -302,18 +302,7 @@ impl NcclRanks {
                         part.dims(),
                     ));
                 }
-                let t = into_contiguous(part.into_primitive().tensor());
-                if t.device.index != rank.device {
-                    return Err(SlideSparseError::Unsupported {
-                        what: format!("NCCL {what}"),
-                        why: format!(
-                            "a tensor of the rank on CUDA device {} is on device {}",
-                            rank.device, t.device.index
-                        ),
-                    });
-                }
-                nccl_type(t.dtype)?;
-                Ok(t)
+                contiguous_on(what, rank, part)
             })
             .collect()
     }
@@ -387,9 +376,7 @@ impl NcclRanks {
         }
         Ok(outputs)
     }
-}
 
-impl NcclRanks {
     /// Rank `rank`'s part of an all-reduce (sum), called by the thread that drives that
     /// rank: NCCL's one-thread-per-GPU use, for a program that runs each rank on its own
     /// thread. The call is queued on the rank's device thread, on burn's stream of the
@@ -415,17 +402,7 @@ impl NcclRanks {
                 rank + 1,
             ));
         };
-        let x = into_contiguous(part.into_primitive().tensor());
-        if x.device.index != this.device {
-            return Err(SlideSparseError::Unsupported {
-                what: "NCCL all_reduce_sum_rank".into(),
-                why: format!(
-                    "rank {rank} is CUDA device {}, its tensor is on device {}",
-                    this.device, x.device.index
-                ),
-            });
-        }
-        nccl_type(x.dtype)?;
+        let x = contiguous_on("all_reduce_sum_rank", this, part)?;
         self.take_failures()?;
         let burn_stream = self.burn_stream(rank)?;
         let output = self.queue_one(Call::AllReduceSum, rank, &x, burn_stream, 1);
@@ -633,6 +610,26 @@ pub(super) fn check_devices(what: &str, devices: &[usize]) -> Result<()> {
         cuda_device(*d)?;
     }
     Ok(())
+}
+
+/// `part` contiguous, checked to be on `rank`'s device in a dtype NCCL reduces.
+fn contiguous_on<F: FloatElement>(
+    what: &str,
+    rank: &Rank,
+    part: Tensor<CudaBackend<F>, 2>,
+) -> Result<CubeTensor<Runtime>> {
+    let t = into_contiguous(part.into_primitive().tensor());
+    if t.device.index != rank.device {
+        return Err(SlideSparseError::Unsupported {
+            what: format!("NCCL {what}"),
+            why: format!(
+                "a tensor of the rank on CUDA device {} is on device {}",
+                rank.device, t.device.index
+            ),
+        });
+    }
+    nccl_type(t.dtype)?;
+    Ok(t)
 }
 
 /// NCCL's data type for a float dtype of burn-cuda.
