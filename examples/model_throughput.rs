@@ -772,8 +772,8 @@ fn time_split<B: SlideSparseBackend<Device = CudaDevice>>(
             || one.run(false),
             || many.run(forward, &sync, false),
         );
-        // What one process thread spends queuing a step (devices idle): with more ranks
-        // than GPU time per rank, this bounds the split step.
+        // The time to queue a step with the devices idle: where it is longer than a
+        // step's GPU time, it bounds the step.
         let host = alternate(
             args.reps.min(3),
             || one.run(true),
