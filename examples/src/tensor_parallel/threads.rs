@@ -22,6 +22,10 @@
 //!   sums are there (a sleeping thread takes tens of µs to wake, against a few µs per
 //!   all-reduce).
 //!
+//! The process thread hands each step to the ranks' threads and takes their outcomes
+//! through channels polled for a few ms before sleeping ([`recv_hot`]): waking a sleeping
+//! thread costs tens of µs at each of a step's two hand-offs.
+//!
 //! A rank whose step fails aborts the collective, so that no peer waits for it forever;
 //! every later call then fails too.
 
@@ -30,9 +34,10 @@ use std::{
     sync::{
         Mutex,
         atomic::{AtomicBool, AtomicUsize, Ordering},
-        mpsc::{Receiver, Sender, channel},
+        mpsc::{Receiver, RecvError, Sender, TryRecvError, channel},
     },
     thread::{Scope, yield_now},
+    time::{Duration, Instant},
 };
 
 use burn::tensor::{Int, Tensor, backend::Backend};
@@ -150,7 +155,7 @@ where
         let part = &self.ranks[rank];
         let heads = self.heads;
         scope.spawn(move || {
-            for mut job in jobs {
+            while let Ok(mut job) = recv_hot(&jobs) {
                 let sum = |p: Tensor<B, 3>| {
                     let [batch, t, width] = p.dims();
                     let flat = p.reshape([batch * t, width]);
@@ -235,7 +240,7 @@ impl<B: SlideSparseBackend> RankThreads<'_, B> {
         // all-reduce too, and the first to answer need not be the cause.
         let mut failed = Vec::new();
         for _ in 0..self.jobs.len() {
-            let (rank, slots, out) = self.outcomes.recv().map_err(|_| gone())?;
+            let (rank, slots, out) = recv_hot(&self.outcomes).map_err(|_| gone())?;
             cache.ranks[rank] = slots;
             match out {
                 Ok(h) if rank == 0 => hidden = Some(h),
@@ -253,6 +258,38 @@ impl<B: SlideSparseBackend> RankThreads<'_, B> {
         }
         cache.len = start + t;
         self.model.last_logits(hidden.ok_or_else(gone)?)
+    }
+}
+
+/// How long a hand-off between the process thread and the ranks' threads polls before it
+/// sleeps: a sleeping thread took 24-56 µs (medians) to wake for each of the two hand-offs
+/// of a decode step on the H200's host, a polling one 1-2 µs
+/// (`docs/decisions/tensor-parallel.md`). A decode step is a few ms, so both sides of its
+/// hand-offs stay awake; between prefills or generations the threads sleep.
+const HOT_WAIT: Duration = Duration::from_millis(10);
+
+/// Polls before yielding the core, while the other side is a few µs away.
+const HOT_SPINS: u32 = 2048;
+
+/// The next message of `from`: polled for up to [`HOT_WAIT`] (spinning, then yielding the
+/// core), then waited for asleep.
+fn recv_hot<T>(from: &Receiver<T>) -> std::result::Result<T, RecvError> {
+    let started = Instant::now();
+    let mut polls = 0u32;
+    loop {
+        match from.try_recv() {
+            Ok(message) => return Ok(message),
+            Err(TryRecvError::Disconnected) => return Err(RecvError),
+            Err(TryRecvError::Empty) if started.elapsed() > HOT_WAIT => return from.recv(),
+            Err(TryRecvError::Empty) => {
+                polls += 1;
+                if polls < HOT_SPINS {
+                    std::hint::spin_loop();
+                } else {
+                    yield_now();
+                }
+            }
+        }
     }
 }
 
