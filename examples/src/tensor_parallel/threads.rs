@@ -268,27 +268,34 @@ impl<B: SlideSparseBackend> RankThreads<'_, B> {
 /// hand-offs stay awake; between prefills or generations the threads sleep.
 const HOT_WAIT: Duration = Duration::from_millis(10);
 
-/// Polls before yielding the core, while the other side is a few µs away.
-const HOT_SPINS: u32 = 2048;
-
-/// The next message of `from`: polled for up to [`HOT_WAIT`] (spinning, then yielding the
-/// core), then waited for asleep.
+/// The next message of `from`: polled for up to [`HOT_WAIT`], then waited for asleep.
 fn recv_hot<T>(from: &Receiver<T>) -> std::result::Result<T, RecvError> {
     let started = Instant::now();
-    let mut polls = 0u32;
+    let mut backoff = Backoff::default();
     loop {
         match from.try_recv() {
             Ok(message) => return Ok(message),
             Err(TryRecvError::Disconnected) => return Err(RecvError),
             Err(TryRecvError::Empty) if started.elapsed() > HOT_WAIT => return from.recv(),
-            Err(TryRecvError::Empty) => {
-                polls += 1;
-                if polls < HOT_SPINS {
-                    std::hint::spin_loop();
-                } else {
-                    yield_now();
-                }
-            }
+            Err(TryRecvError::Empty) => backoff.pause(),
+        }
+    }
+}
+
+/// The pause between two polls of a thread waiting for a peer.
+#[derive(Default)]
+struct Backoff {
+    polls: u32,
+}
+
+impl Backoff {
+    /// Spins while the peer is a few µs behind; yields the core past that.
+    fn pause(&mut self) {
+        self.polls += 1;
+        if self.polls < 4096 {
+            std::hint::spin_loop();
+        } else {
+            yield_now();
         }
     }
 }
@@ -353,16 +360,10 @@ impl<'c, B: Backend, C: Collective<B>> MeetingRanks<'c, B, C> {
 
     /// Spins until round `round` is complete, or fails once a rank has aborted.
     fn wait_past(&self, round: usize) -> Result<()> {
-        let mut spins = 0u32;
+        let mut backoff = Backoff::default();
         while self.round.load(Ordering::Acquire) == round {
             self.check_failed()?;
-            spins += 1;
-            // Spin while the peers are a few µs behind; yield the core past that.
-            if spins < 4096 {
-                std::hint::spin_loop();
-            } else {
-                yield_now();
-            }
+            backoff.pause();
         }
         Ok(())
     }
