@@ -616,6 +616,97 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     );
 }
 
+/// A thread's lane (its kept buffers and GEMM graphs) is retired when the thread ends and
+/// freed at the next forward on the device, while the thread's queued forwards may still be
+/// waiting on cubecl's device thread: those forwards still give the reference's output.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn lanes_of_ended_threads_are_retired_and_their_queued_forwards_still_run() {
+    use burn_slidesparse::cuda::memory::graph_report;
+    const THREADS: usize = 6;
+    let device = Default::default();
+    let mut rng = rng(140);
+    let (k, n) = (1024, 1536);
+    let (w, b) = (random_f32(&mut rng, n * k), random_f32(&mut rng, n));
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    let packed = pack_linear("w", &w, n, k, Some(&b), &options).unwrap().0;
+    let gpu = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
+    let cpu = SlideSparseLinear::<Cpu>::from_packed(&packed, &Default::default());
+    let run = move |layer: &SlideSparseLinear<Gpu>, x: &[f32], m: usize| {
+        layer.forward(on_gpu::<Gpu, 2>(x.to_vec(), [m, k], DType::F32))
+    };
+    // This thread's lane exists before the count.
+    let x0 = random_f32(&mut rng, k);
+    let first = run(&gpu, &x0, 1).into_data();
+    let before = graph_report(&device).unwrap();
+    // Decode-sized forwards (kept buffers, replayed graphs), queued and not read: each
+    // thread ends with its work possibly still in cubecl's queue.
+    let ms = [1, 16, 3, 1, 16];
+    let inputs: Vec<Vec<Vec<f32>>> = (0..THREADS)
+        .map(|_| ms.iter().map(|&m| random_f32(&mut rng, m * k)).collect())
+        .collect();
+    let outputs: Vec<Vec<Tensor<Gpu, 2>>> = inputs
+        .iter()
+        .map(|xs| {
+            let (layer, xs) = (gpu.clone(), xs.clone());
+            std::thread::spawn(move || xs.iter().zip(ms).map(|(x, m)| run(&layer, x, m)).collect())
+                .join()
+                .unwrap()
+        })
+        .collect();
+    let after = graph_report(&device).unwrap();
+    assert!(
+        after.lanes <= before.lanes,
+        "lanes in use grew from {} to {} over {THREADS} ended threads",
+        before.lanes,
+        after.lanes
+    );
+    assert!(
+        after.retired >= before.retired + THREADS,
+        "{} lanes retired, {} before, over {THREADS} ended threads",
+        after.retired,
+        before.retired
+    );
+    assert!(
+        after.calls.queued >= before.calls.queued,
+        "the retired lanes' calls left the report"
+    );
+    // This forward frees the retired lanes (their graphs behind the queued replays).
+    let x1 = random_f32(&mut rng, 16 * k);
+    let last = run(&gpu, &x1, 16);
+    let reference = |x: &[f32], m: usize| {
+        let x =
+            Tensor::<Cpu, 2>::from_data(TensorData::new(x.to_vec(), [m, k]), &Default::default());
+        cpu.forward(x).into_data().into_vec::<f32>().unwrap()
+    };
+    let mut worst = 0f64;
+    let mut check = |y: Tensor<Gpu, 2>, x: &[f32], m: usize, what: &str| {
+        let y = y.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let err = rel_err(&y, &reference(x, m));
+        worst = worst.max(err);
+        assert!(
+            err < tolerance(Precision::Int8),
+            "{what}: rel err {err:.2e}"
+        );
+    };
+    check(
+        Tensor::from_data(first, (&device, DType::F32)),
+        &x0,
+        1,
+        "first forward",
+    );
+    for (t, (ys, xs)) in outputs.into_iter().zip(&inputs).enumerate() {
+        for ((y, x), m) in ys.into_iter().zip(xs).zip(ms) {
+            check(y, x, m, &format!("thread {t}, M = {m}"));
+        }
+    }
+    check(last, &x1, 16, "the forward that freed the retired lanes");
+    println!(
+        "{THREADS} ended threads: lanes in use {} -> {}, retired {} -> {}, worst rel err {worst:.2e}",
+        before.lanes, after.lanes, before.retired, after.retired
+    );
+}
+
 /// Reads a GPU tensor primitive back as f32.
 fn read_f32<B: burn::tensor::backend::Backend>(y: burn::tensor::ops::FloatTensor<B>) -> Vec<f32> {
     Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(y))

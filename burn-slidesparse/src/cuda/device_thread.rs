@@ -106,6 +106,12 @@ impl GraphLauncher {
         }
     }
 
+    /// Drops `garbage` on cubecl's device thread behind every task queued so far: a retired
+    /// lane's graphs, which its queued replays hold by pointer (module docs).
+    pub fn drop_after_queued<T: Send + 'static>(&self, garbage: T) {
+        self.device.submit(move |_server: &mut Server| drop(garbage));
+    }
+
     /// Queues `cuGraphLaunch(exec, burn_stream)` behind the launches queued so far.
     ///
     /// # Safety

@@ -101,6 +101,11 @@ pub struct GemmGraphs {
     nodes: usize,
 }
 
+// SAFETY: graph executables and the capture stream are driver handles, usable from any
+// thread of the process; `&mut self` keeps the table to one thread at a time. A retired
+// lane's graphs are dropped on cubecl's device thread (`ordering.rs`).
+unsafe impl Send for GemmGraphs {}
+
 impl GemmGraphs {
     /// Why the last capture that failed on this lane failed, if one did.
     pub fn last_failure(&self) -> Option<&str> {

@@ -6,7 +6,7 @@
 //!
 //! 1. helpers: [`config`] (the environment, read once), `runtime` (cubecl types, device
 //!    pointers), `driver` (typed driver errors, device, context), `accumulator` (what a
-//!    GEMM writes);
+//!    GEMM writes), `thread_exit` (per-stream state released when its thread ends);
 //! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
 //!    `cublaslt`, `cupti`, `nccl` (the library, found at run time, for tensor parallelism),
 //!    `side_kernels`; `algo_cache` (search results on disk); `attention` (own
@@ -120,6 +120,7 @@ internal_modules!(
     runtime,
     side_kernels,
     state,
+    thread_exit,
 );
 
 /// A SlideSparse layer prepared on the GPU (cuSPARSELt's compressed weight).

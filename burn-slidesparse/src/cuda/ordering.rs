@@ -20,12 +20,22 @@
 //! `StreamId` of the thread that queued it, possibly on another thread). Lanes are keyed
 //! the same way, so a forward run by fusion finds the lane, kept buffers and graphs of the
 //! stream its kernels go to, whichever thread executes it.
+//!
+//! cubecl never reuses a `StreamId`: a thread that ends leaves its lane unused for good. So
+//! the thread that creates a lane retires it when it ends ([`Lanes::retire`], through
+//! `thread_exit`), and the next lane lookup on the device frees it: the kept
+//! buffers through cubecl (in stream order), the graphs on cubecl's device thread after
+//! every task queued before (queued replays hold them by pointer). A server that runs
+//! forwards on short-lived threads (a pool that ends idle threads, `std::thread::scope`
+//! per request) thus holds the lanes of its live threads only. The creator is the owner
+//! except where fusion runs another thread's queued operations; there the lane is retired
+//! with its creator, and its owner's next forward makes a new one.
 
 use std::collections::{HashMap, hash_map::Entry};
 
 use cubecl::{CubeCount, CubeDim, prelude::*, stream_id::StreamId};
 use cubecl_kernels::stream_sync::signal_kernel;
-use cudarc::driver::sys;
+use cudarc::driver::{result as cu, sys};
 
 use super::{
     buffers::{ForwardBuffer, KeptBuffer, KeptScratch},
@@ -35,6 +45,7 @@ use super::{
     driver::{create_stream, synchronize},
     graphs::{GemmGraphs, Replay},
     runtime::{Client, Runtime, cubecl_err, sync_burn_stream},
+    thread_exit::at_thread_exit,
 };
 use crate::error::Result;
 
@@ -79,6 +90,14 @@ impl std::ops::AddAssign for CallCounts {
         self.blocking_keyed += other.blocking_keyed;
         self.blocking_unkeyed += other.blocking_unkeyed;
         self.host_synced += other.host_synced;
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        // SAFETY: the lane's own stream, destroyed once; work still queued on it completes
+        // first (CUDA defers the release).
+        let _ = unsafe { cu::stream::destroy(self.stream) };
     }
 }
 
@@ -129,26 +148,69 @@ impl Lane {
     }
 }
 
+/// Retires the lane of a cubecl stream on a CUDA device: given by the per-device state
+/// (which finds the device's [`Lanes`] behind its lock), called when the thread that created
+/// the lane ends.
+pub type RetireLane = fn(device_index: usize, stream: StreamId);
+
 /// The lanes of one device, by cubecl stream.
 pub struct Lanes {
     device_index: usize,
     lanes: HashMap<StreamId, Lane>,
+    retire: RetireLane,
+    /// Lanes of ended threads, freed at the next lookup.
+    retired: Vec<Lane>,
+    /// How many lanes were retired so far, and their GEMM calls (reports sum every call).
+    retired_count: usize,
+    retired_calls: CallCounts,
 }
 
 impl Lanes {
-    /// The (still empty) lanes of CUDA device `device_index`.
-    pub fn new(device_index: usize) -> Self {
+    /// The (still empty) lanes of CUDA device `device_index`; `retire` finds them again when
+    /// a thread that created one ends.
+    pub fn new(device_index: usize, retire: RetireLane) -> Self {
         Self {
             device_index,
             lanes: HashMap::new(),
+            retire,
+            retired: Vec::new(),
+            retired_count: 0,
+            retired_calls: CallCounts::default(),
         }
     }
 
-    /// The lane of the current cubecl stream, created on first use.
+    /// The lane of the current cubecl stream, created on first use (and retired when this
+    /// thread ends).
     pub fn current(&mut self) -> Result<&mut Lane> {
-        match self.lanes.entry(StreamId::current()) {
+        self.free_retired();
+        let stream = StreamId::current();
+        match self.lanes.entry(stream) {
             Entry::Occupied(lane) => Ok(lane.into_mut()),
-            Entry::Vacant(slot) => Ok(slot.insert(Lane::new(self.device_index)?)),
+            Entry::Vacant(slot) => {
+                let lane = slot.insert(Lane::new(self.device_index)?);
+                let (device, retire) = (self.device_index, self.retire);
+                at_thread_exit(move || retire(device, stream));
+                Ok(lane)
+            }
+        }
+    }
+
+    /// Takes `stream`'s lane out of use: its thread ended. Only moves it (this runs in a
+    /// thread-local destructor); the next [`current`](Self::current) frees it.
+    pub fn retire(&mut self, stream: StreamId) {
+        if let Some(lane) = self.lanes.remove(&stream) {
+            self.retired_count += 1;
+            self.retired_calls += lane.calls;
+            self.retired.push(lane);
+        }
+    }
+
+    /// Frees the retired lanes: buffers and streams here (cubecl and CUDA release them in
+    /// stream order), graphs on cubecl's device thread behind every task queued so far.
+    fn free_retired(&mut self) {
+        for mut lane in self.retired.drain(..) {
+            let graphs = std::mem::take(&mut lane.graphs);
+            lane.launcher.drop_after_queued(graphs);
         }
     }
 
@@ -156,6 +218,8 @@ impl Lanes {
     pub fn graph_report(&self) -> GraphReport {
         let mut report = GraphReport {
             lanes: self.lanes.len(),
+            retired: self.retired_count,
+            calls: self.retired_calls,
             ..GraphReport::default()
         };
         for lane in self.lanes.values() {
@@ -182,8 +246,10 @@ impl Lanes {
 /// use graphs (graphs off, buffers not kept) show here.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GraphReport {
-    /// Lanes (cubecl streams that ran a forward).
+    /// Lanes (cubecl streams that ran a forward) in use.
     pub lanes: usize,
+    /// Lanes retired with the threads that made them (their calls are in `calls`).
+    pub retired: usize,
     /// Calls with a captured graph.
     pub captured: usize,
     /// The nodes of those graphs, summed.
@@ -205,10 +271,11 @@ impl std::fmt::Display for GraphReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} lanes, {} graphs captured ({} nodes), {} captures failed, {} table clears; GEMM \
-             calls: {} queued, {} blocking with a graph key, {} blocking without, {} \
-             host-synchronized",
+            "{} lanes ({} more retired with their threads), {} graphs captured ({} nodes), {} \
+             captures failed, {} table clears; GEMM calls: {} queued, {} blocking with a graph \
+             key, {} blocking without, {} host-synchronized",
             self.lanes,
+            self.retired,
             self.captured,
             self.nodes,
             self.failed,

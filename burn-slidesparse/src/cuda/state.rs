@@ -8,6 +8,7 @@ use std::{
     sync::{Arc, Mutex, OnceLock},
 };
 
+use cubecl::stream_id::StreamId;
 use cudarc::driver::sys;
 
 use super::{
@@ -59,7 +60,7 @@ impl DeviceState {
             plans: HashMap::new(),
             algos: AlgoCache::open(config),
             dense: None,
-            lanes: Lanes::new(index),
+            lanes: Lanes::new(index, retire_lane),
             settings: config.settings,
         })
     }
@@ -142,9 +143,10 @@ impl DeviceState {
 
 type States = Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>;
 
+static STATES: OnceLock<States> = OnceLock::new();
+
 /// The state of device `index`, created on first use.
 pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
-    static STATES: OnceLock<States> = OnceLock::new();
     let mut states = STATES
         .get_or_init(Default::default)
         .lock()
@@ -155,6 +157,24 @@ pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
     let state = Arc::new(Mutex::new(DeviceState::new(index)?));
     states.insert(index, state.clone());
     Ok(state)
+}
+
+/// Retires `stream`'s lane on device `index` (its thread ended; [`Lanes::retire`]). Runs in
+/// a thread-local destructor: it only takes the two locks and moves the lane.
+fn retire_lane(index: usize, stream: StreamId) {
+    let Some(states) = STATES.get() else { return };
+    let state = states
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&index)
+        .cloned();
+    if let Some(state) = state {
+        state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .lanes
+            .retire(stream);
+    }
 }
 
 /// Changes the settings of device `index`'s forwards with `change` (tests and benchmarks

@@ -9,7 +9,8 @@
 //! The threads live as long as [`TensorParallelLlama::with_rank_threads`]'s body, not one
 //! step: cubecl keeps a stream per calling thread, and the library keeps its GEMM graphs,
 //! buffers and stream lookups per device and thread, so a thread per step would capture
-//! every graph again.
+//! every graph again. When the body ends, the library retires the threads' GEMM graphs and
+//! buffers with them.
 //!
 //! At an all-reduce each rank's thread calls a [`RankCollective`] for its own part:
 //! - [`NcclRanks`](burn_slidesparse::cuda::NcclRanks) queues that rank's `ncclAllReduce`

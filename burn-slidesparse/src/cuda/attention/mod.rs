@@ -36,6 +36,7 @@ use super::{
     driver::{Context, create_stream, cuda_device, driver_err, synchronize},
     ordering::probe_burn_stream,
     runtime::{Client, Runtime, device_ptr, sync_burn_stream},
+    thread_exit::at_thread_exit,
 };
 use crate::{
     attention::AttentionShape,
@@ -289,9 +290,14 @@ enum Ordering {
     Host(usize, String),
 }
 
-/// The ordering of the current cubecl stream of device `index`, probed once.
+type Orderings = Mutex<HashMap<(usize, StreamId), Ordering>>;
+
+/// The ordering of each device and cubecl stream that ran attention.
+static ORDERINGS: OnceLock<Orderings> = OnceLock::new();
+
+/// The ordering of the current cubecl stream of device `index`, probed once (and dropped
+/// when this thread ends: cubecl never reuses its stream).
 fn ordering(client: &Client, index: usize) -> Result<Ordering> {
-    static ORDERINGS: OnceLock<Mutex<HashMap<(usize, StreamId), Ordering>>> = OnceLock::new();
     let key = (index, StreamId::current());
     let mut all = ORDERINGS
         .get_or_init(Default::default)
@@ -310,7 +316,20 @@ fn ordering(client: &Client, index: usize) -> Result<Ordering> {
         }
     };
     all.insert(key, found.clone());
+    at_thread_exit(move || forget_ordering(key));
     Ok(found)
+}
+
+/// Drops an ended thread's ordering. The stream of a host ordering (CUPTI unavailable) is
+/// kept: where fusion made the entry on another thread than the stream's owner, the owner
+/// may be running launches on it outside the lock.
+fn forget_ordering(key: (usize, StreamId)) {
+    if let Some(orderings) = ORDERINGS.get() {
+        orderings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+    }
 }
 
 /// The error of a queued launch that failed, until the next call reports it.
