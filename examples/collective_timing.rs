@@ -32,8 +32,8 @@ use burn_collective::{AllReduceStrategy, CollectiveConfig, PeerId};
 use burn_slidesparse::{
     Collective,
     cuda::{
-        BurnRanks, CudaBackend, CudaDevice, CudaFusionBackend, NcclRanks, device_count,
-        distributed::cubecl_loads_nccl,
+        BurnRanks, CudaBackend, CudaDevice, CudaFusionBackend, NcclRanks,
+        burn_ranks::cubecl_loads_nccl, device_count,
     },
 };
 use clap::Parser;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SparsityPattern,
-    internals::{format, quant::quantize_weight},
+    internals::{format, weight_quant::quantize_weight},
     pack_linear, prune,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};

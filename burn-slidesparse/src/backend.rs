@@ -12,7 +12,7 @@ use burn::tensor::{Tensor, backend::Backend};
 use crate::{
     error::Result,
     pattern::SparsityPattern,
-    quant::{Precision, QuantizedWeight},
+    weight_quant::{Precision, QuantizedWeight},
 };
 
 /// Static description of a packed layer: everything but the tensors.

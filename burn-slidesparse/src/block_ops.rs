@@ -21,7 +21,7 @@ use crate::{
     attention::{AttentionOptions, causal_attention, qkv_head_dim},
     backend::SlideSparseBackend,
     error::{Result, SlideSparseError},
-    swap::MaybeSparseLinear,
+    maybe_sparse::MaybeSparseLinear,
 };
 
 /// `norm(x)` (burn's `RmsNorm` over the last dimension), as one operation on burn-cuda.

@@ -13,7 +13,7 @@ use crate::{
     format::{self, LayerMeta, OwnedTensor, PackedFile},
     pack::{PackOptions, PackStats, pack_linear, prune_and_quantize},
     prune::PruneMethod,
-    quant::quantize_weight,
+    weight_quant::quantize_weight,
 };
 
 /// Default selection: every `*.weight` matrix except embeddings, norms and the LM head.

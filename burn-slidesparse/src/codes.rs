@@ -34,7 +34,7 @@ use burn::{
 };
 use half::{bf16, f16};
 
-use crate::quant::{Precision, QuantizedWeight, WeightCodes};
+use crate::weight_quant::{Precision, QuantizedWeight, WeightCodes};
 
 /// Identifies one set of codes, for the prepared-weight cache: a fresh value for every new
 /// or loaded weight, shared by clones.

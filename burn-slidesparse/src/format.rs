@@ -22,7 +22,7 @@ use crate::{
     error::{Result, SlideSparseError},
     pack::{PackedLinear, check_alignment},
     pattern::SparsityPattern,
-    quant::{Precision, QuantizedWeight, WeightCodes},
+    weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
 /// Version written by this crate; readers reject any other.

@@ -12,33 +12,33 @@ mod backend;
 mod block_ops;
 mod checkpoint;
 mod codes;
+mod concat;
 #[cfg(feature = "cubecl")]
 mod cube;
 mod error;
 mod files;
 mod format;
 mod fp8;
-mod fuse;
 #[cfg(feature = "fusion")]
 mod fusion;
-mod masked;
-mod module;
+mod masked_linear;
+mod maybe_sparse;
 #[cfg(feature = "cuda")]
 mod native_ops;
 mod pack;
 mod pattern;
 mod prune;
-mod quant;
-mod quantized;
+mod quantized_linear;
 mod reference;
 mod shard;
 mod slide;
-mod swap;
+mod sparse_linear;
 #[cfg(feature = "internals")]
 mod synthetic;
 mod tensor_parallel;
 #[cfg(test)]
 mod test_rng;
+mod weight_quant;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -59,27 +59,27 @@ pub use checkpoint::{
     pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
 };
 pub use codes::{WeightCodesModule, WeightCodesRecord};
+pub use concat::concat_outputs;
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;
 pub use error::{Result, SlideSparseError};
 pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
-pub use fuse::concat_outputs;
 #[cfg(feature = "fusion")]
 pub use fusion::FusionPrepared;
-pub use masked::MaskedLinear;
-pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
-pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
-pub use pattern::SparsityPattern;
-pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
-pub use quant::{Precision, QuantizedWeight, WeightCodes};
-pub use quantized::QuantizedLinear;
-pub use reference::ReferencePrepared;
-pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};
-pub use swap::{
+pub use masked_linear::MaskedLinear;
+pub use maybe_sparse::{
     MaybeSparseLinear, VisitLinears, load_file, load_packed, load_packed_file, load_record,
     mask_with, prepare_all, quantize_dense, sparsify, sparsify_with,
 };
+pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
+pub use pattern::SparsityPattern;
+pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
+pub use quantized_linear::QuantizedLinear;
+pub use reference::ReferencePrepared;
+pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};
+pub use sparse_linear::{SlideSparseLinear, SlideSparseLinearConfig};
 pub use tensor_parallel::{Collective, SimulatedRanks, TensorParallelLinear, shard_linear};
+pub use weight_quant::{Precision, QuantizedWeight, WeightCodes};
 
 /// What `impl_reference_backend!` expands to; not an API.
 #[doc(hidden)]
@@ -115,8 +115,8 @@ pub mod internals {
         pub use crate::prune::*;
     }
     /// Precisions, weight codes and weight quantization.
-    pub mod quant {
-        pub use crate::quant::*;
+    pub mod weight_quant {
+        pub use crate::weight_quant::*;
     }
     /// The CPU reference forward (any burn backend).
     pub mod reference {
@@ -131,8 +131,8 @@ pub mod internals {
         pub use crate::checkpoint::*;
     }
     /// The `SlideSparseLinear` module and its helpers.
-    pub mod module {
-        pub use crate::module::*;
+    pub mod sparse_linear {
+        pub use crate::sparse_linear::*;
     }
     /// The backend trait and the prepared-weight tensors.
     pub mod backend {

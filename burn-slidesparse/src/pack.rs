@@ -9,11 +9,11 @@ use crate::{
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
     prune::{self, PruneMethod},
-    quant::{
+    slide::{self, SlideElement, SlideFailure, UnslideError},
+    weight_quant::{
         Codec, Precision, QuantizedWeight, WeightCodes, map_codes, quantize_weight, row_scale,
         with_codes,
     },
-    slide::{self, SlideElement, SlideFailure, UnslideError},
 };
 
 /// Default `K'` alignment: safe for every precision on cuSPARSELt.

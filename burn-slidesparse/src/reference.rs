@@ -14,7 +14,7 @@ use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use crate::{
     backend::{DenseTensors, PackedTensors},
     fp8,
-    quant::{Precision, QuantizedWeight},
+    weight_quant::{Precision, QuantizedWeight},
 };
 
 /// Floor of the per-token absmax before dividing by `QMAX`, the kernels' own value.

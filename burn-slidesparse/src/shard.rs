@@ -19,8 +19,8 @@ use std::fmt;
 use crate::{
     error::{Result, SlideSparseError},
     pack::PackedLinear,
-    quant::{QuantizedWeight, WeightCodes, map_codes},
     slide::SlideElement,
+    weight_quant::{QuantizedWeight, WeightCodes, map_codes},
 };
 
 /// How a layer is split over tensor-parallel ranks.

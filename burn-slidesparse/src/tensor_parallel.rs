@@ -19,12 +19,12 @@ use burn::tensor::{Tensor, backend::Backend};
 use crate::{
     backend::SlideSparseBackend,
     error::{Result, SlideSparseError},
-    module::{SlideSparseLinear, on_rows},
+    maybe_sparse::MaybeSparseLinear,
     pack::PackedLinear,
-    quant::QuantizedWeight,
-    quantized::QuantizedLinear,
+    quantized_linear::QuantizedLinear,
     shard::{Parallelism, input_range, shard_packed, shard_quantized},
-    swap::MaybeSparseLinear,
+    sparse_linear::{SlideSparseLinear, on_rows},
+    weight_quant::QuantizedWeight,
 };
 
 /// The collectives tensor-parallel layers need, over the ranks of one process. Each takes

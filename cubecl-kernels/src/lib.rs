@@ -8,8 +8,8 @@
 //! - `quant_lift` (feature `cubecl`): fused per-token quantization + lift, and the plain
 //!   per-token quantization of the dense baseline (the same kernel without the lift).
 //! - `epilogue` (feature `cubecl`): dequantization + bias.
-//! - `stream_sync` (feature `cubecl`): signal/wait kernels that order a foreign stream's
-//!   work (cuSPARSELt) with CubeCL's stream without host synchronization.
+//! - `stream_probe` (feature `cubecl`): the probe kernel whose launch, watched through
+//!   CUPTI, tells burn-slidesparse which CUDA stream cubecl launches on.
 //!
 //! This crate has no burn dependency: burn integration lives in `burn-slidesparse`.
 
@@ -21,6 +21,6 @@ pub mod grouping;
 pub mod quant_lift;
 pub mod rounding;
 #[cfg(feature = "cubecl")]
-pub mod stream_sync;
+pub mod stream_probe;
 
 pub use geometry::{SlideGeometry, lift_source_unbounded};

@@ -409,7 +409,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
             DenseLayerGpu, SyncMode,
             state::{device_state, update_settings},
         },
-        internals::quant::quantize_weight,
+        internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
     let device = Default::default();
@@ -489,7 +489,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
 fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     use burn_slidesparse::{
         cuda::{DenseLayerGpu, GraphMode, Settings, SyncMode, state::device_state},
-        internals::quant::quantize_weight,
+        internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
     let device = Default::default();
@@ -723,7 +723,7 @@ fn read_f32<B: burn::tensor::backend::Backend>(y: burn::tensor::ops::FloatTensor
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn dense_baseline_matches_host_w8a8() {
     use burn::tensor::ElementConversion;
-    use burn_slidesparse::{cuda::DenseLayerGpu, internals::quant::quantize_weight};
+    use burn_slidesparse::{cuda::DenseLayerGpu, internals::weight_quant::quantize_weight};
     let client = CudaRuntime::client(&Default::default());
     let mut rng = rng(104);
     for precision in [Precision::Int8, Precision::Fp8] {
@@ -950,7 +950,7 @@ fn epilogue_kernel_matches_host() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn quantized_linear_module_matches_the_reference() {
-    use burn_slidesparse::{QuantizedLinear, internals::quant::quantize_weight};
+    use burn_slidesparse::{QuantizedLinear, internals::weight_quant::quantize_weight};
     let mut rng = rng(109);
     for precision in [Precision::Int8, Precision::Fp8, Precision::Bf16] {
         for (m, k, n) in [(1, 100, 50), (300, 1000, 200)] {
@@ -1040,7 +1040,7 @@ fn forward_past_gpu_memory_is_a_typed_error_and_the_device_keeps_working() {
     use burn_slidesparse::{
         QuantizedLinear, SlideSparseError,
         cuda::{memory::available_bytes, state::device_state},
-        internals::quant::quantize_weight,
+        internals::weight_quant::quantize_weight,
     };
     let mut rng = rng(109);
     let (k, n) = (4096, 16384);
@@ -1187,7 +1187,9 @@ fn fused_forward(layer: &SlideSparseLinear<Fused>, x: &[f32], shape: [usize; 2])
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn fusion_backend_matches_the_reference_for_every_pattern_and_precision() {
-    use burn_slidesparse::{QuantizedLinear, SlideSparseError, internals::quant::quantize_weight};
+    use burn_slidesparse::{
+        QuantizedLinear, SlideSparseError, internals::weight_quant::quantize_weight,
+    };
     let mut rng = rng(111);
     let device = Default::default();
     let mut report = Vec::new();
@@ -1274,7 +1276,7 @@ fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
             SyncMode,
             state::{device_state, update_settings},
         },
-        internals::quant::quantize_weight,
+        internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
     let device = Default::default();

@@ -5,7 +5,8 @@ use burn::{
     tensor::{Tensor, TensorData},
 };
 use burn_slidesparse::{
-    Precision, QuantizedLinear, SlideSparseError, internals::quant::quantize_weight, quantize_dense,
+    Precision, QuantizedLinear, SlideSparseError, internals::weight_quant::quantize_weight,
+    quantize_dense,
 };
 use slidesparse_tests::{TwoLayers, host_w8a8, random_f32, rng};
 

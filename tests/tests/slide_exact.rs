@@ -3,8 +3,8 @@
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SlideSparseError, SparseGptCalibration, SparsityPattern,
     internals::pack::prune_and_quantize,
-    internals::quant::{WeightCodes, quantize_weight},
     internals::slide::{first_2_4_violation, slide_matrix},
+    internals::weight_quant::{WeightCodes, quantize_weight},
     pack_linear,
 };
 use cubecl_kernels::SlideGeometry;

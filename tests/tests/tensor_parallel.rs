@@ -407,8 +407,12 @@ fn the_dense_baseline_shards_like_the_packed_layer() {
             let w = random_small_ints(&mut rng, out * k, 7);
             let b = random_small_ints(&mut rng, out, 7);
             let x = random_small_ints(&mut rng, m * k, 7);
-            let weight =
-                burn_slidesparse::internals::quant::quantize_weight(&w, out, k, Precision::F32);
+            let weight = burn_slidesparse::internals::weight_quant::quantize_weight(
+                &w,
+                out,
+                k,
+                Precision::F32,
+            );
             let single = QuantizedLinear::<B>::from_quantized(&weight, Some(&b), &device);
             let expected = to_vec(single.forward(tensor2(x.clone(), [m, k])));
             let devices = vec![device; ranks];
@@ -504,7 +508,7 @@ fn splits_that_cannot_work_are_typed_errors() {
     }
     // The dense baseline: K must divide evenly, out likewise; a bias of the wrong length
     // is a shape error.
-    let weight = burn_slidesparse::internals::quant::quantize_weight(
+    let weight = burn_slidesparse::internals::weight_quant::quantize_weight(
         &random_f32(&mut rng, 6 * 10),
         6,
         10,

@@ -11,7 +11,7 @@
 
 use burn::tensor::DType;
 
-use crate::quant::Precision;
+use crate::weight_quant::Precision;
 
 /// Element type of a GEMM output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -9,7 +9,7 @@ use cudarc::cublaslt::{result, sys};
 use super::accumulator::{AccType, Accumulator};
 use crate::{
     error::{Result, SlideSparseError},
-    quant::Precision,
+    weight_quant::Precision,
 };
 
 fn err(call: &'static str) -> impl Fn(result::CublasError) -> SlideSparseError {

@@ -17,7 +17,7 @@ use super::{
     runtime::{Client, device_ptr, sync_burn_stream},
     state::DeviceState,
 };
-use crate::{error::Result, quant::Precision};
+use crate::{error::Result, weight_quant::Precision};
 
 /// The buffers one GEMM call reads and writes.
 #[derive(Clone, Copy)]

@@ -22,7 +22,7 @@ use super::{
 };
 use crate::{
     error::{Result, SlideSparseError},
-    quant::Precision,
+    weight_quant::Precision,
 };
 
 

@@ -94,15 +94,14 @@ macro_rules! library_bindings {
     };
 }
 
-pub mod collective;
 pub mod config;
-pub mod distributed;
 
 internal_modules!(
     accumulator,
     attention,
     algo_cache,
     buffers,
+    burn_ranks,
     cublaslt,
     cupti,
     cusparselt,
@@ -114,6 +113,7 @@ internal_modules!(
     launch,
     memory,
     nccl,
+    nccl_ranks,
     ordering,
     pipeline,
     prepare,
@@ -129,12 +129,12 @@ pub type CudaPrepared = pipeline::GpuLayer<gemm::SparseGemm>;
 /// A dense quantized baseline layer prepared on the GPU (cuBLASLt).
 pub type DenseLayerGpu = pipeline::GpuLayer<gemm::DenseGemm>;
 
-pub use collective::NcclRanks;
+pub use burn_ranks::BurnRanks;
 pub use config::{Config, GraphMode, Settings, SyncMode};
 /// The device of [`CudaBackend`]: `CudaDevice { index }` is GPU `index`.
 pub use cubecl::cuda::CudaDevice;
-pub use distributed::BurnRanks;
 pub use driver::{cuda_driver_present, device_count};
+pub use nccl_ranks::NcclRanks;
 
 /// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of
 /// activations and outputs; bf16 gives 16-bit GEMM accumulators).

@@ -4,7 +4,7 @@
 //!
 //! Only the library and its entry points are here: finding it (`SLIDESPARSE_NCCL`, the
 //! loader path, the pip folders), binding the calls the collectives on burn's stream need
-//! (`collective.rs`), and typed errors naming what was searched or what failed. cudarc's
+//! (`nccl_ranks.rs`), and typed errors naming what was searched or what failed. cudarc's
 //! `nccl` feature is not used: its loader searches bare library names only (not
 //! `libnccl.so.2`, the one file NVIDIA's pip wheel ships) and panics when none loads.
 

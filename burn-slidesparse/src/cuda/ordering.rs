@@ -34,7 +34,7 @@
 use std::collections::{HashMap, hash_map::Entry};
 
 use cubecl::{CubeCount, CubeDim, prelude::*, stream_id::StreamId};
-use cubecl_kernels::stream_sync::signal_kernel;
+use cubecl_kernels::stream_probe::probe_kernel;
 use cudarc::driver::{result as cu, sys};
 
 use super::{
@@ -303,7 +303,7 @@ pub(crate) fn probe_burn_stream(client: &Client) -> Result<sys::CUstream> {
         let [x, y, z] = PROBE_GRID;
         // SAFETY: every cube stores 0 into element 0 of a 4-byte buffer.
         unsafe {
-            signal_kernel::launch_unchecked::<Runtime>(
+            probe_kernel::launch_unchecked::<Runtime>(
                 client,
                 CubeCount::Static(x, y, z),
                 CubeDim::new_1d(1),

@@ -27,7 +27,7 @@ use super::{
 };
 use crate::{
     error::{Result, SlideSparseError},
-    quant::Precision,
+    weight_quant::Precision,
 };
 
 /// `M` padded for the GEMM's dense operand (16 rows for 8-bit types, 8 for 16-bit).

@@ -20,7 +20,7 @@ use super::{
 use crate::{
     backend::LayerSpec,
     error::{Result, SlideSparseError},
-    quant::{Precision, QuantizedWeight},
+    weight_quant::{Precision, QuantizedWeight},
 };
 
 /// Rows of cuSPARSELt's structured matrix must be a multiple of this (32 for 8-bit types,

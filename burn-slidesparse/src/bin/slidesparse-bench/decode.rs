@@ -28,7 +28,7 @@ use burn_slidesparse::{
         gate::StreamGate,
         state::{device_state, update_settings},
     },
-    internals::quant::quantize_weight,
+    internals::weight_quant::quantize_weight,
     pack_linear,
 };
 use cubecl::{Runtime, cuda::CudaRuntime};

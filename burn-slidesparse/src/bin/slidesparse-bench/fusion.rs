@@ -10,7 +10,7 @@
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 use burn_slidesparse::{
     PackOptions, QuantizedLinear, SlideSparseLinear, SparsityPattern,
-    internals::{fusion::identity_custom_op, quant::quantize_weight},
+    internals::{fusion::identity_custom_op, weight_quant::quantize_weight},
     pack_linear,
 };
 

@@ -25,11 +25,11 @@ use burn_slidesparse::{
         pipeline::m_pad,
         state::{device_state, update_settings},
     },
-    internals::quant::quantize_weight,
+    internals::weight_quant::quantize_weight,
     pack_linear,
 };
 use cubecl::{CubeCount, CubeDim, Runtime, cuda::CudaRuntime, prelude::*};
-use cubecl_kernels::stream_sync::signal_kernel;
+use cubecl_kernels::stream_probe::probe_kernel;
 
 use super::{
     Args, Buf, SPARSE_WORKSPACE, compressed_2_4_weight, layer::Gpu, model_shapes, parse_list,
@@ -115,7 +115,7 @@ pub fn host_bench(args: &Args) {
                 per_call_us(
                     reps,
                     |i| unsafe {
-                        signal_kernel::launch_unchecked::<CudaRuntime>(
+                        probe_kernel::launch_unchecked::<CudaRuntime>(
                             &client,
                             CubeCount::Static(1, 1, 1),
                             CubeDim::new_1d(1),

@@ -29,7 +29,7 @@ use burn_slidesparse::{
         pipeline::m_pad,
         state::{device_state, update_settings},
     },
-    internals::quant::quantize_weight,
+    internals::weight_quant::quantize_weight,
     pack_linear,
 };
 use cubecl::{Runtime, cuda::CudaRuntime};

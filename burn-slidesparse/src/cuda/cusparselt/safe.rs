@@ -14,7 +14,7 @@ use crate::{
         config::Config,
     },
     error::{Result, SlideSparseError},
-    quant::Precision,
+    weight_quant::Precision,
 };
 
 /// One cuSPARSELt handle (bound to the device current when it was made).

@@ -26,12 +26,12 @@ use burn::{
 
 use crate::{
     error::{Result, SlideSparseError},
-    module::{SlideSparseLinear, to_vec_f32},
     pack::PackOptions,
     pattern::SparsityPattern,
     prune::{PruneMethod, check_pattern, prune},
-    quant::Precision,
     reference::{quantize_codes, token_scales},
+    sparse_linear::{SlideSparseLinear, to_vec_f32},
+    weight_quant::Precision,
 };
 
 /// A dense linear layer trained under a fixed sparsity mask.

@@ -15,8 +15,8 @@ use crate::{
     backend::{DenseTensors, PreparedSlot, SlideSparseBackend},
     codes::WeightCodesModule,
     error::Result,
-    module::{LinearOnHost, float_param, on_rows, prepared_key, to_vec_f32},
-    quant::{Precision, QuantizedWeight, quantize_weight},
+    sparse_linear::{LinearOnHost, float_param, on_rows, prepared_key, to_vec_f32},
+    weight_quant::{Precision, QuantizedWeight, quantize_weight},
 };
 
 /// Sizes and precision of a [`QuantizedLinear`].

@@ -198,11 +198,11 @@ impl WeightCodes {
 macro_rules! with_codes {
     ($codes:expr, $v:ident => $body:expr) => {
         match $codes {
-            $crate::quant::WeightCodes::I8($v) => $body,
-            $crate::quant::WeightCodes::Fp8($v) => $body,
-            $crate::quant::WeightCodes::Bf16($v) => $body,
-            $crate::quant::WeightCodes::F16($v) => $body,
-            $crate::quant::WeightCodes::F32($v) => $body,
+            $crate::weight_quant::WeightCodes::I8($v) => $body,
+            $crate::weight_quant::WeightCodes::Fp8($v) => $body,
+            $crate::weight_quant::WeightCodes::Bf16($v) => $body,
+            $crate::weight_quant::WeightCodes::F16($v) => $body,
+            $crate::weight_quant::WeightCodes::F32($v) => $body,
         }
     };
 }
@@ -212,11 +212,21 @@ pub(crate) use with_codes;
 macro_rules! map_codes {
     ($codes:expr, $v:ident => $body:expr) => {
         match $codes {
-            $crate::quant::WeightCodes::I8($v) => $crate::quant::WeightCodes::I8($body),
-            $crate::quant::WeightCodes::Fp8($v) => $crate::quant::WeightCodes::Fp8($body),
-            $crate::quant::WeightCodes::Bf16($v) => $crate::quant::WeightCodes::Bf16($body),
-            $crate::quant::WeightCodes::F16($v) => $crate::quant::WeightCodes::F16($body),
-            $crate::quant::WeightCodes::F32($v) => $crate::quant::WeightCodes::F32($body),
+            $crate::weight_quant::WeightCodes::I8($v) => {
+                $crate::weight_quant::WeightCodes::I8($body)
+            }
+            $crate::weight_quant::WeightCodes::Fp8($v) => {
+                $crate::weight_quant::WeightCodes::Fp8($body)
+            }
+            $crate::weight_quant::WeightCodes::Bf16($v) => {
+                $crate::weight_quant::WeightCodes::Bf16($body)
+            }
+            $crate::weight_quant::WeightCodes::F16($v) => {
+                $crate::weight_quant::WeightCodes::F16($body)
+            }
+            $crate::weight_quant::WeightCodes::F32($v) => {
+                $crate::weight_quant::WeightCodes::F32($body)
+            }
         }
     };
 }

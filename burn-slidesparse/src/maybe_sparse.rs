@@ -23,13 +23,13 @@ use crate::{
     backend::SlideSparseBackend,
     error::{Result, SlideSparseError},
     format::PackedFile,
-    masked::MaskedLinear,
-    module::SlideSparseLinear,
+    masked_linear::MaskedLinear,
     pack::{PackOptions, PackedLinear},
     pattern::SparsityPattern,
     prune::PruneMethod,
-    quant::Precision,
-    quantized::QuantizedLinear,
+    quantized_linear::QuantizedLinear,
+    sparse_linear::SlideSparseLinear,
+    weight_quant::Precision,
 };
 
 /// A linear layer that is dense (`burn::nn::Linear`), dense under a training mask

@@ -36,7 +36,7 @@ use burn::tensor::{
 use cubecl::cuda::CudaDevice;
 use libloading::Library;
 
-use super::{CudaBackend, collective::check_devices};
+use super::{CudaBackend, nccl_ranks::check_devices};
 use crate::{
     error::{Result, SlideSparseError},
     tensor_parallel::Collective,

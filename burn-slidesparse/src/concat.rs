@@ -14,11 +14,11 @@ use burn::{
 
 use crate::{
     error::{Result, SlideSparseError},
-    module::{SlideSparseLinear, to_vec_f32},
+    maybe_sparse::MaybeSparseLinear,
     pack::PackedLinear,
-    quant::{QuantizedWeight, WeightCodes},
-    quantized::QuantizedLinear,
-    swap::MaybeSparseLinear,
+    quantized_linear::QuantizedLinear,
+    sparse_linear::{SlideSparseLinear, to_vec_f32},
+    weight_quant::{QuantizedWeight, WeightCodes},
 };
 
 fn mismatch(detail: impl Into<String>) -> SlideSparseError {

@@ -17,7 +17,7 @@ use crate::{
     pack::{DEFAULT_ALIGNMENT, PackOptions, PackedLinear, check_alignment, pack_linear},
     pattern::SparsityPattern,
     prune::PruneMethod,
-    quant::{Precision, QuantizedWeight, WeightCodes},
+    weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
 /// Configuration of a [`SlideSparseLinear`]; `init` gives an all-zero (valid) packed layer
