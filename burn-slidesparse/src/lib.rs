@@ -21,6 +21,7 @@ mod format;
 mod fp8;
 #[cfg(feature = "fusion")]
 mod fusion;
+mod load;
 mod masked_linear;
 mod maybe_sparse;
 #[cfg(feature = "cuda")]
@@ -33,6 +34,7 @@ mod reference;
 mod shard;
 mod slide;
 mod sparse_linear;
+mod sparsify;
 #[cfg(feature = "internals")]
 mod synthetic;
 mod tensor_parallel;
@@ -66,11 +68,9 @@ pub use error::{Result, SlideSparseError};
 pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
 #[cfg(feature = "fusion")]
 pub use fusion::FusionPrepared;
+pub use load::{load_file, load_packed, load_packed_file, load_record};
 pub use masked_linear::MaskedLinear;
-pub use maybe_sparse::{
-    MaybeSparseLinear, VisitLinears, load_file, load_packed, load_packed_file, load_record,
-    mask_with, prepare_all, quantize_dense, sparsify, sparsify_with,
-};
+pub use maybe_sparse::{MaybeSparseLinear, VisitLinears};
 pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
 pub use pattern::SparsityPattern;
 pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
@@ -78,6 +78,7 @@ pub use quantized_linear::QuantizedLinear;
 pub use reference::ReferencePrepared;
 pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};
 pub use sparse_linear::{SlideSparseLinear, SlideSparseLinearConfig};
+pub use sparsify::{mask_with, prepare_all, quantize_dense, sparsify, sparsify_with};
 pub use tensor_parallel::{Collective, SimulatedRanks, TensorParallelLinear, shard_linear};
 pub use weight_quant::{Precision, QuantizedWeight, WeightCodes};
 

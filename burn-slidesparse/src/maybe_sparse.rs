@@ -1,35 +1,22 @@
-//! Swapping a model's `nn::Linear` layers for `SlideSparseLinear` (or for a trainable
-//! [`MaskedLinear`] first, to fine-tune under the sparsity pattern).
+//! [`MaybeSparseLinear`]: a model's swappable linear layer, an enum module of the layer
+//! kinds (dense `nn::Linear`, [`MaskedLinear`], [`SlideSparseLinear`], [`QuantizedLinear`]),
+//! and [`VisitLinears`], how a model lists those layers by name.
 //!
 //! Rust models have fixed field types, so a model that wants to choose per layer holds
-//! [`MaybeSparseLinear`] fields and lists them through [`VisitLinears`]; [`sparsify`] then
-//! packs every listed layer that the filter accepts (e.g. everything but the LM head).
-
-use std::{
-    any::Any,
-    collections::HashMap,
-    panic::AssertUnwindSafe,
-    path::{Path, PathBuf},
-};
+//! [`MaybeSparseLinear`] fields and lists them through [`VisitLinears`]; the conversions of
+//! `sparsify.rs` ([`sparsify`](crate::sparsify) packs every listed layer a filter accepts,
+//! e.g. everything but the LM head) and the loaders of `load.rs` then work on any such model.
 
 use burn::{
-    module::{Module, ModuleVisitor},
+    module::Module,
     nn::Linear,
-    record::FileRecorder,
     tensor::{Tensor, backend::Backend},
 };
 
 use crate::{
-    backend::SlideSparseBackend,
-    error::{Result, SlideSparseError},
-    format::PackedFile,
-    masked_linear::MaskedLinear,
-    pack::{PackOptions, PackedLinear},
-    pattern::SparsityPattern,
-    prune::PruneMethod,
-    quantized_linear::QuantizedLinear,
-    sparse_linear::SlideSparseLinear,
-    weight_quant::Precision,
+    backend::SlideSparseBackend, error::Result, masked_linear::MaskedLinear, pack::PackOptions,
+    pattern::SparsityPattern, prune::PruneMethod, quantized_linear::QuantizedLinear,
+    sparse_linear::SlideSparseLinear, weight_quant::Precision,
 };
 
 /// A linear layer that is dense (`burn::nn::Linear`), dense under a training mask
@@ -37,7 +24,8 @@ use crate::{
 ///
 /// Its record is an enum too: a record saved from a sparsified model only loads into a model
 /// sparsified the same way. burn's derived `load_record` panics on a variant mismatch, so
-/// load through [`load_record`] or [`load_file`], which turn that into an error.
+/// load through [`load_record`](crate::load_record) or [`load_file`](crate::load_file), which turn
+/// that into an error.
 #[derive(Module, Debug)]
 pub enum MaybeSparseLinear<B: Backend> {
     /// A dense `burn::nn::Linear`, as the model was built.
@@ -223,86 +211,6 @@ impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
     }
 }
 
-/// Loads `record` into `model`, like burn's `Module::load_record`, but returns an error where
-/// burn would panic: when a [`MaybeSparseLinear`] of the record is another kind than the
-/// model's (e.g. a sparsified model's record loaded into a dense-built model). Build the model
-/// and swap its layers the same way as the saved one (`sparsify`, `quantize_dense`,
-/// `mask_with`) before loading.
-///
-/// burn's derived enum records offer no check before loading, so the mismatch is caught as the
-/// unwinding panic of burn's `load_record` (its message still reaches the panic hook, i.e.
-/// stderr); under `panic = "abort"` it aborts as burn's own call would.
-pub fn load_record<B: Backend, M: Module<B>>(model: M, record: M::Record) -> Result<M> {
-    let kinds = layer_kinds(&model);
-    std::panic::catch_unwind(AssertUnwindSafe(|| model.load_record(record))).map_err(|panic| {
-        SlideSparseError::Record {
-            detail: format!(
-                "{} (the model's layer kinds: {}); build and swap the model's \
-             layers the same way as the saved model's before loading",
-                panic_message(panic.as_ref()),
-                if kinds.is_empty() {
-                    "none".to_string()
-                } else {
-                    kinds.join(", ")
-                },
-            ),
-        }
-    })
-}
-
-/// Loads `path` with `recorder` into `model`, like burn's `Module::load_file`, with the
-/// record checked as in [`load_record`].
-pub fn load_file<B: Backend, M: Module<B>, R: FileRecorder<B>>(
-    model: M,
-    path: impl Into<PathBuf>,
-    recorder: &R,
-    device: &B::Device,
-) -> Result<M> {
-    let path = path.into();
-    let record = recorder
-        .load(path.clone(), device)
-        .map_err(|e| SlideSparseError::Record {
-            detail: format!("{}: {e}", path.display()),
-        })?;
-    load_record(model, record)
-}
-
-fn panic_message(panic: &(dyn Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("the record does not fit the model")
-}
-
-/// `path=Kind` for every [`MaybeSparseLinear`] in `model`, for error messages.
-fn layer_kinds<B: Backend, M: Module<B>>(model: &M) -> Vec<String> {
-    let mut visitor = KindVisitor::default();
-    model.visit(&mut visitor);
-    visitor.kinds
-}
-
-/// Follows burn's module tree: an enum module is entered by its variant's name with the
-/// container type `Enum:<name>` (burn-derive's convention).
-#[derive(Default)]
-struct KindVisitor {
-    path: Vec<String>,
-    kinds: Vec<String>,
-}
-
-impl<B: Backend> ModuleVisitor<B> for KindVisitor {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        if container_type == "Enum:MaybeSparseLinear" {
-            self.kinds.push(format!("{}={name}", self.path.join(".")));
-        }
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-}
-
 /// A model that can list its swappable linear layers by name.
 pub trait VisitLinears<B: Backend> {
     /// Calls `f` with the name and layer of every swappable linear layer.
@@ -310,188 +218,4 @@ pub trait VisitLinears<B: Backend> {
         &mut self,
         f: &mut dyn FnMut(&str, &mut MaybeSparseLinear<B>) -> Result<()>,
     ) -> Result<()>;
-}
-
-/// Packs every linear layer of `model` for which `include(name)` holds; returns the names
-/// packed. Errors name the layer that failed.
-pub fn sparsify<B: Backend, M: VisitLinears<B>>(
-    model: &mut M,
-    options: &PackOptions,
-    include: impl Fn(&str) -> bool,
-) -> Result<Vec<String>> {
-    sparsify_with(model, |name| include(name).then(|| options.clone()))
-}
-
-/// Like [`sparsify`], with options chosen per layer (`None` keeps the layer dense), e.g.
-/// activation-aware pruning with each layer's calibration norms.
-pub fn sparsify_with<B: Backend, M: VisitLinears<B>>(
-    model: &mut M,
-    options_for: impl Fn(&str) -> Option<PackOptions>,
-) -> Result<Vec<String>> {
-    let mut packed = Vec::new();
-    model.visit_linears(&mut |name, layer| {
-        if let Some(options) = options_for(name).filter(|_| !layer.is_sparse()) {
-            layer
-                .sparsify(&options)
-                .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
-            packed.push(name.to_string());
-        }
-        Ok(())
-    })?;
-    Ok(packed)
-}
-
-/// Replaces the linear layers of `model` by the packed layers of `file` (the output of
-/// `slidesparse pack`, [`pack_checkpoint`](crate::pack_checkpoint) or
-/// [`save_layers`](crate::save_layers)); returns the model's names of the layers replaced.
-/// `file_name(model_name)` gives the file's name (its tensor's prefix, e.g.
-/// `model.layers.0.self_attn.q_proj`) of a model layer; layers the file does not hold are
-/// left as they are (e.g. an unpacked LM head).
-///
-/// Every layer of the file must be used and fit: a file layer no model layer maps to, or one
-/// whose sizes or bias differ from the model's layer, is a
-/// [`SlideSparseError::PackedMismatch`] and the model is left unchanged. The codes are moved
-/// out of `file`, not copied.
-pub fn load_packed<B: Backend, M: VisitLinears<B>>(
-    model: &mut M,
-    file: PackedFile,
-    path: &str,
-    file_name: impl Fn(&str) -> String,
-) -> Result<Vec<String>> {
-    let mismatch = |detail: String| SlideSparseError::PackedMismatch {
-        path: path.to_string(),
-        detail,
-    };
-    let mut layers: HashMap<String, PackedLinear> = file
-        .layers
-        .into_iter()
-        .map(|l| (crate::format::prefix_of(&l.name), l))
-        .collect();
-    // Check every layer before replacing any, so an error leaves the model as it was.
-    let mut assignment = Vec::new();
-    model.visit_linears(&mut |name, layer| {
-        let key = file_name(name);
-        if let Some(packed) = layers.get(&key) {
-            let packed_features = (packed.in_features, packed.out_features());
-            if packed_features != layer.features() || packed.bias.is_some() != layer.has_bias() {
-                return Err(mismatch(format!(
-                    "{key} is (in, out) = {packed_features:?} {}, the model's {name} is {:?} {}",
-                    bias_word(packed.bias.is_some()),
-                    layer.features(),
-                    bias_word(layer.has_bias()),
-                )));
-            }
-            assignment.push((name.to_string(), key));
-        }
-        Ok(())
-    })?;
-    let mut used = std::collections::HashSet::new();
-    for (name, key) in &assignment {
-        if !used.insert(key) {
-            return Err(mismatch(format!(
-                "two model layers (one of them {name}) map to the file's layer {key}"
-            )));
-        }
-    }
-    let mut unused: Vec<&String> = layers.keys().filter(|k| !used.contains(k)).collect();
-    if !unused.is_empty() {
-        unused.sort();
-        return Err(mismatch(format!(
-            "no model layer maps to the file's layer(s) {}",
-            unused
-                .iter()
-                .map(|s| s.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
-    }
-    let mut loaded = Vec::new();
-    model.visit_linears(&mut |name, layer| {
-        if let Some(packed) = layers.remove(&file_name(name)) {
-            let device = layer.device();
-            *layer = SlideSparseLinear::from_packed_owned(packed, &device).into();
-            loaded.push(name.to_string());
-        }
-        Ok(())
-    })?;
-    Ok(loaded)
-}
-
-/// [`load_packed`] from a file on disk (fully checked as it is read).
-pub fn load_packed_file<B: Backend, M: VisitLinears<B>>(
-    model: &mut M,
-    path: &Path,
-    file_name: impl Fn(&str) -> String,
-) -> Result<Vec<String>> {
-    let file = PackedFile::load(path)?;
-    load_packed(model, file, &path.display().to_string(), file_name)
-}
-
-fn bias_word(bias: bool) -> &'static str {
-    if bias { "with bias" } else { "without bias" }
-}
-
-/// Builds every SlideSparse and dense-quantized layer's prepared weights now (on the CUDA
-/// backend: compression and upload), so the first forward does not pay for it; returns how
-/// many layers were prepared.
-pub fn prepare_all<B: SlideSparseBackend, M: VisitLinears<B>>(model: &mut M) -> Result<usize> {
-    let mut prepared = 0;
-    model.visit_linears(&mut |name, layer| {
-        let context = |e: SlideSparseError| SlideSparseError::Backend(format!("{name}: {e}"));
-        match layer {
-            MaybeSparseLinear::Sparse(sparse) => {
-                sparse.prepared().map_err(context)?;
-                prepared += 1;
-            }
-            MaybeSparseLinear::Quantized(quantized) => {
-                quantized.prepared().map_err(context)?;
-                prepared += 1;
-            }
-            MaybeSparseLinear::Dense(_) | MaybeSparseLinear::Masked(_) => {}
-        }
-        Ok(())
-    })?;
-    Ok(prepared)
-}
-
-/// Quantizes every dense linear layer of `model` for which `include(name)` holds, without
-/// pruning ([`QuantizedLinear`], the baseline SlideSparse is measured against); returns the
-/// names quantized.
-pub fn quantize_dense<B: Backend, M: VisitLinears<B>>(
-    model: &mut M,
-    precision: Precision,
-    include: impl Fn(&str) -> bool,
-) -> Result<Vec<String>> {
-    let mut quantized = Vec::new();
-    model.visit_linears(&mut |name, layer| {
-        if include(name) && layer.dense().is_some() {
-            layer
-                .quantize(precision)
-                .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
-            quantized.push(name.to_string());
-        }
-        Ok(())
-    })?;
-    Ok(quantized)
-}
-
-/// Prunes every dense linear layer of `model` for which `method_for(name)` gives a method
-/// to `pattern`, keeping it trainable under the mask ([`MaskedLinear`]); returns the names
-/// masked. Pack the fine-tuned model afterwards with [`sparsify`].
-pub fn mask_with<B: Backend, M: VisitLinears<B>>(
-    model: &mut M,
-    pattern: SparsityPattern,
-    method_for: impl Fn(&str) -> Option<PruneMethod>,
-) -> Result<Vec<String>> {
-    let mut masked = Vec::new();
-    model.visit_linears(&mut |name, layer| {
-        if let Some(method) = method_for(name).filter(|_| layer.dense().is_some()) {
-            layer
-                .mask(pattern, &method)
-                .map_err(|e| SlideSparseError::Backend(format!("{name}: {e}")))?;
-            masked.push(name.to_string());
-        }
-        Ok(())
-    })?;
-    Ok(masked)
 }
