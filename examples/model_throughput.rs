@@ -36,8 +36,8 @@ use burn_slidesparse::{
     VisitLinears, WeightCodes,
     cuda::{
         BurnRanks, CudaBackend, CudaDevice, CudaFusionBackend, NcclRanks, device_count,
-        driver::profiler_range,
         memory::{MemoryReport, graph_report, memory_report, release_free_memory},
+        profiler::profiler_range,
     },
     prepare_all, quantize_dense, sparsify,
 };

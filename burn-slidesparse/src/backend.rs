@@ -11,36 +11,9 @@ use burn::tensor::{Tensor, backend::Backend};
 
 use crate::{
     error::Result,
-    pattern::SparsityPattern,
+    pack::LayerSpec,
     weight_quant::{Precision, QuantizedWeight},
 };
-
-/// Static description of a packed layer: everything but the tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct LayerSpec {
-    /// The `(2N-2):2N` pattern the weight was pruned to.
-    pub pattern: SparsityPattern,
-    /// Element type of `W'` (and of the quantized activations).
-    pub precision: Precision,
-    /// Input width `K`.
-    pub in_features: usize,
-    /// Output width.
-    pub out_features: usize,
-    /// Alignment of `K'`.
-    pub alignment: usize,
-}
-
-impl LayerSpec {
-    /// Geometry of the layer.
-    pub fn geometry(&self) -> cubecl_kernels::SlideGeometry {
-        self.pattern.geometry(self.in_features, self.alignment)
-    }
-
-    /// `K'`.
-    pub fn k_prime(&self) -> usize {
-        self.geometry().k_prime()
-    }
-}
 
 /// A packed layer's weights for a backend's preparation: the codes and scales on the host
 /// (shared with the module, not copied), the bias on the device.
@@ -102,23 +75,21 @@ pub trait SlideSparseBackend: Backend {
     fn dense_forward(x: Tensor<Self, 2>, prepared: &Self::DensePrepared)
     -> Result<Tensor<Self, 2>>;
 
-    /// The layer's CUDA pipeline where this backend runs it (burn-cuda, plain or under
-    /// fusion), so that a composed block step ([`add_rms_norm_linear`](crate::add_rms_norm_linear)
-    /// and the like) can run the linear inside its own operation; `None` (the default) where
-    /// the forward is something else. Not for other crates to implement: its type is this
-    /// crate's own.
+    /// The layer a native pipeline runs (the CUDA path's, on burn-cuda plain or under
+    /// fusion), type-erased, so that a composed block step
+    /// ([`add_rms_norm_linear`](crate::add_rms_norm_linear) and the like) can run the linear
+    /// inside its own operation; `None` (the default) where the forward is something else.
+    /// Not for other crates to implement: only this crate's own layer types are looked for.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
-    fn native_linear(_prepared: Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
+    fn native_layer(_prepared: &Self::Prepared) -> Option<&(dyn Any + Send + Sync)> {
         None
     }
 
-    /// [`native_linear`](Self::native_linear) of the dense quantized baseline.
+    /// [`native_layer`](Self::native_layer) of the dense quantized baseline.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
-    fn native_dense_linear(
-        _prepared: Self::DensePrepared,
-    ) -> Option<crate::native_ops::NativeLinear> {
+    fn native_dense_layer(_prepared: &Self::DensePrepared) -> Option<&(dyn Any + Send + Sync)> {
         None
     }
 }

@@ -182,21 +182,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SlideSpars
     }
 
     #[cfg(feature = "cuda")]
-    fn native_linear(prepared: Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
-        match prepared {
-            CubePrepared::Native(layer) => Some(crate::native_ops::NativeLinear::Sparse(layer)),
-            CubePrepared::Reference(_) => None,
-        }
+    fn native_layer(prepared: &Self::Prepared) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        prepared.native().map(|layer| layer as _)
     }
 
     #[cfg(feature = "cuda")]
-    fn native_dense_linear(
-        prepared: Self::DensePrepared,
-    ) -> Option<crate::native_ops::NativeLinear> {
-        match prepared {
-            CubePrepared::Native(layer) => Some(crate::native_ops::NativeLinear::Dense(layer)),
-            CubePrepared::Reference(_) => None,
-        }
+    fn native_dense_layer(
+        prepared: &Self::DensePrepared,
+    ) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        prepared.native().map(|layer| layer as _)
     }
 
     type DensePrepared = CubePrepared<Self, native::Dense>;

@@ -256,14 +256,14 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
     }
 
     #[cfg(feature = "cuda")]
-    fn native_linear(prepared: Self::Prepared) -> Option<crate::native_ops::NativeLinear> {
-        B::native_linear(prepared.inner)
+    fn native_layer(prepared: &Self::Prepared) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        B::native_layer(&prepared.inner)
     }
 
     #[cfg(feature = "cuda")]
-    fn native_dense_linear(
-        prepared: Self::DensePrepared,
-    ) -> Option<crate::native_ops::NativeLinear> {
-        B::native_dense_linear(prepared.inner)
+    fn native_dense_layer(
+        prepared: &Self::DensePrepared,
+    ) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        B::native_dense_layer(&prepared.inner)
     }
 }

@@ -7,11 +7,13 @@
 // stable. The project's own tests, CLI and benchmarks reach further in through `internals`.
 
 mod attention;
+mod attention_shape;
 mod autodiff;
 mod backend;
 mod block_ops;
 mod checkpoint;
 mod codes;
+mod collective;
 mod concat;
 #[cfg(feature = "cubecl")]
 mod cube;
@@ -47,11 +49,10 @@ pub mod cuda;
 #[cfg(feature = "gguf")]
 pub mod gguf;
 
-pub use attention::{
-    AttentionOptions, AttentionShape, causal_attention, causal_attention_reference,
-};
+pub use attention::{AttentionOptions, causal_attention, causal_attention_reference};
+pub use attention_shape::AttentionShape;
 pub use autodiff::AutodiffPrepared;
-pub use backend::{DenseTensors, LayerSpec, PackedTensors, SlideSparseBackend};
+pub use backend::{DenseTensors, PackedTensors, SlideSparseBackend};
 pub use block_ops::{
     DecoderBlock, RopeAttention, add_rms_norm, add_rms_norm_linear, decoder_block, rms_norm,
     rms_norm_linear, rope_attention, rope_attention_linear, silu_mul, silu_mul_linear,
@@ -61,6 +62,7 @@ pub use checkpoint::{
     pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
 };
 pub use codes::{WeightCodesModule, WeightCodesRecord};
+pub use collective::{Collective, SimulatedRanks};
 pub use concat::concat_outputs;
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;
@@ -71,7 +73,7 @@ pub use fusion::FusionPrepared;
 pub use load::{load_file, load_packed, load_packed_file, load_record};
 pub use masked_linear::MaskedLinear;
 pub use maybe_sparse::{MaybeSparseLinear, VisitLinears};
-pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
+pub use pack::{DEFAULT_ALIGNMENT, LayerSpec, PackOptions, PackStats, PackedLinear, pack_linear};
 pub use pattern::SparsityPattern;
 pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
 pub use quantized_linear::QuantizedLinear;
@@ -79,7 +81,7 @@ pub use reference::ReferencePrepared;
 pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};
 pub use sparse_linear::{SlideSparseLinear, SlideSparseLinearConfig};
 pub use sparsify::{mask_with, prepare_all, quantize_dense, sparsify, sparsify_with};
-pub use tensor_parallel::{Collective, SimulatedRanks, TensorParallelLinear, shard_linear};
+pub use tensor_parallel::{TensorParallelLinear, shard_linear};
 pub use weight_quant::{Precision, QuantizedWeight, WeightCodes};
 
 /// What `impl_reference_backend!` expands to; not an API.

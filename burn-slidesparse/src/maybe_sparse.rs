@@ -178,17 +178,6 @@ impl<B: Backend> MaybeSparseLinear<B> {
 }
 
 impl<B: SlideSparseBackend> MaybeSparseLinear<B> {
-    /// The layer's CUDA pipeline, if it is SlideSparse or quantized on burn-cuda (plain or
-    /// under fusion); `None` for a dense or masked layer and on every other backend.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn native(&self) -> Result<Option<crate::native_ops::NativeLinear>> {
-        Ok(match self {
-            Self::Sparse(layer) => B::native_linear(layer.prepared()?),
-            Self::Quantized(layer) => B::native_dense_linear(layer.prepared()?),
-            Self::Dense(_) | Self::Masked(_) => None,
-        })
-    }
-
     /// `[..., in] -> [..., out]` through whichever layer this is, or the error of a
     /// SlideSparse or quantized layer (a dense one panics on a bad shape, as burn's does).
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<Tensor<B, D>> {

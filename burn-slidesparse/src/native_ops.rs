@@ -23,7 +23,7 @@ use burn_fusion::{
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use crate::{
-    cuda::{CudaPrepared, DenseLayerGpu, attention, runtime::Runtime},
+    cuda::runtime::Runtime,
     error::{Result, SlideSparseError},
 };
 
@@ -33,39 +33,6 @@ pub type NativeTensors = Vec<CubeTensor<Runtime>>;
 type Cuda = CubeBackend<Runtime, f32, i32, u8>;
 type FusedCuda = FusionTensor<FusionCubeRuntime<Runtime>>;
 type Kernel = Box<dyn Fn(NativeTensors) -> Result<NativeTensors> + Send + Sync>;
-
-/// A linear layer's CUDA pipeline, for an operation that runs the linear right after its own
-/// kernel: on fusion one custom operation instead of two (each costs the host ~10 us at
-/// decode sizes), and no reshapes around the linear.
-#[derive(Clone, Debug)]
-pub enum NativeLinear {
-    /// A SlideSparse layer (cuSPARSELt).
-    Sparse(CudaPrepared),
-    /// The dense quantized baseline (cuBLASLt).
-    Dense(DenseLayerGpu),
-}
-
-impl NativeLinear {
-    /// `[.., in] -> [.., out]` on a contiguous tensor (the layer reads it as `[m, in]` rows;
-    /// both reshapes are metadata only).
-    pub fn forward(&self, x: CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
-        let x = burn_cubecl::kernel::into_contiguous(x);
-        let mut dims = x.meta.shape().to_vec();
-        let k = dims.pop().expect("a tensor of rank >= 1");
-        let m = dims.iter().product::<usize>();
-        let y = match self {
-            Self::Sparse(layer) => layer.forward(&reshaped(x, vec![m, k])),
-            Self::Dense(layer) => layer.forward(&reshaped(x, vec![m, k])),
-        }?;
-        dims.push(y.meta.shape()[1]);
-        Ok(reshaped(y, dims))
-    }
-}
-
-/// A contiguous tensor viewed with another shape of as many elements.
-fn reshaped(t: CubeTensor<Runtime>, dims: Vec<usize>) -> CubeTensor<Runtime> {
-    CubeTensor::new_contiguous(t.client, t.device, Shape::from(dims), t.handle, t.dtype)
-}
 
 /// Whether every dtype is bf16 or every one f16 (what the kernels take).
 pub fn same_16_bit(dtypes: &[DType]) -> bool {
@@ -114,10 +81,12 @@ fn cast_all<A: 'static, T: 'static>(values: Vec<A>) -> std::result::Result<Vec<T
     Ok(out)
 }
 
-/// `kernel` on `inputs` if they are burn-cuda's (plain: at once; fused: queued), with outputs
-/// of `outputs` shapes in `dtype`; `None` for every other backend.
+/// `kernel` on `inputs` if they are burn-cuda's (plain: at once; fused: queued, after
+/// `prepare(device index)` compiled what it launches), with outputs of `outputs` shapes in
+/// `dtype`; `None` for every other backend.
 pub fn run<B: Backend>(
     name: &'static str,
+    prepare: fn(usize) -> Result<()>,
     inputs: Vec<B::FloatTensorPrimitive>,
     outputs: Vec<Shape>,
     dtype: DType,
@@ -128,7 +97,7 @@ pub fn run<B: Backend>(
         Err(inputs) => inputs,
     };
     let fused = cast_all::<_, FusedCuda>(inputs).ok()?;
-    Some(queue(name, fused, outputs, dtype, Box::new(kernel)).map(back::<B, _>))
+    Some(queue(name, prepare, fused, outputs, dtype, Box::new(kernel)).map(back::<B, _>))
 }
 
 /// Outputs of the type the inputs were cast from, back as the backend's.
@@ -224,10 +193,11 @@ fn nan_like(
     )
 }
 
-/// Compiles the kernels if needed (so that the execution has nothing left to fail on but the
-/// launch) and queues the operation.
+/// Compiles the kernels with `prepare` if needed (so that the execution has nothing left to
+/// fail on but the launches) and queues the operation.
 fn queue(
     name: &'static str,
+    prepare: fn(usize) -> Result<()>,
     inputs: Vec<FusedCuda>,
     outputs: Vec<Shape>,
     dtype: DType,
@@ -237,7 +207,7 @@ fn queue(
         return Err(SlideSparseError::Deferred(Box::new(error)));
     }
     let client = inputs[0].client.clone();
-    attention::prepare_device(client.device().index)?;
+    prepare(client.device().index)?;
     let streams = OperationStreams::with_inputs(&inputs);
     let inputs: Vec<TensorIr> = inputs.into_iter().map(FusionTensor::into_ir).collect();
     let outputs: Vec<TensorIr> = outputs

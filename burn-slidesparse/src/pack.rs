@@ -5,7 +5,6 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    backend::LayerSpec,
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
     prune::{self, PruneMethod},
@@ -55,6 +54,33 @@ pub(crate) fn check_alignment(alignment: usize, precision: Precision) -> Result<
         Ok(())
     } else {
         Err(SlideSparseError::InvalidAlignment(alignment, min))
+    }
+}
+
+/// Static description of a packed layer: everything but the tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct LayerSpec {
+    /// The `(2N-2):2N` pattern the weight was pruned to.
+    pub pattern: SparsityPattern,
+    /// Element type of `W'` (and of the quantized activations).
+    pub precision: Precision,
+    /// Input width `K`.
+    pub in_features: usize,
+    /// Output width.
+    pub out_features: usize,
+    /// Alignment of `K'`.
+    pub alignment: usize,
+}
+
+impl LayerSpec {
+    /// Geometry of the layer.
+    pub fn geometry(&self) -> cubecl_kernels::SlideGeometry {
+        self.pattern.geometry(self.in_features, self.alignment)
+    }
+
+    /// `K'`.
+    pub fn k_prime(&self) -> usize {
+        self.geometry().k_prime()
     }
 }
 

@@ -11,10 +11,10 @@ use burn::{
 };
 
 use crate::{
-    backend::{LayerSpec, PackedTensors, PreparedSlot, SlideSparseBackend},
+    backend::{PackedTensors, PreparedSlot, SlideSparseBackend},
     codes::WeightCodesModule,
     error::{Result, SlideSparseError},
-    pack::{DEFAULT_ALIGNMENT, PackOptions, PackedLinear, check_alignment, pack_linear},
+    pack::{DEFAULT_ALIGNMENT, LayerSpec, PackOptions, PackedLinear, check_alignment, pack_linear},
     pattern::SparsityPattern,
     prune::PruneMethod,
     weight_quant::{Precision, QuantizedWeight, WeightCodes},

@@ -6,19 +6,69 @@
 
 use burn::{
     nn::RmsNorm,
-    tensor::{Tensor, backend::Backend},
+    tensor::{Shape, Tensor, backend::Backend},
 };
-
 use burn_cubecl::tensor::CubeTensor;
 
 use super::{decoder_block::DecoderBlock, steps::RopeAttention};
 use crate::{
-    cuda::{attention as kernels, runtime::Runtime},
+    backend::SlideSparseBackend,
+    cuda::{CudaPrepared, DenseLayerGpu, attention as kernels, runtime::Runtime},
     error::Result,
-    native_ops::{
-        NativeLinear, NativeTensors, float, is_cuda, run, same_16_bit as sixteen_bit, wrap,
-    },
+    maybe_sparse::MaybeSparseLinear,
+    native_ops::{NativeTensors, float, is_cuda, run, same_16_bit as sixteen_bit, wrap},
 };
+
+/// A linear layer's CUDA pipeline, for an operation that runs the linear right after its own
+/// kernel: on fusion one custom operation instead of two (each costs the host ~10 us at
+/// decode sizes), and no reshapes around the linear.
+#[derive(Clone, Debug)]
+pub enum NativeLinear {
+    /// A SlideSparse layer (cuSPARSELt).
+    Sparse(CudaPrepared),
+    /// The dense quantized baseline (cuBLASLt).
+    Dense(DenseLayerGpu),
+}
+
+impl NativeLinear {
+    /// `[.., in] -> [.., out]` on a contiguous tensor (the layer reads it as `[m, in]` rows;
+    /// both reshapes are metadata only).
+    pub fn forward(&self, x: CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        let mut dims = x.meta.shape().to_vec();
+        let k = dims.pop().expect("a tensor of rank >= 1");
+        let m = dims.iter().product::<usize>();
+        let y = match self {
+            Self::Sparse(layer) => layer.forward(&reshaped(x, vec![m, k])),
+            Self::Dense(layer) => layer.forward(&reshaped(x, vec![m, k])),
+        }?;
+        dims.push(y.meta.shape()[1]);
+        Ok(reshaped(y, dims))
+    }
+}
+
+/// A contiguous tensor viewed with another shape of as many elements.
+fn reshaped(t: CubeTensor<Runtime>, dims: Vec<usize>) -> CubeTensor<Runtime> {
+    CubeTensor::new_contiguous(t.client, t.device, Shape::from(dims), t.handle, t.dtype)
+}
+
+/// `linear`'s CUDA pipeline, if it is SlideSparse or quantized on burn-cuda (plain or under
+/// fusion); `None` for a dense or masked layer and on every other backend.
+fn native_linear<B: SlideSparseBackend>(
+    linear: &MaybeSparseLinear<B>,
+) -> Result<Option<NativeLinear>> {
+    Ok(match linear {
+        MaybeSparseLinear::Sparse(layer) => B::native_layer(&layer.prepared()?)
+            .and_then(|layer| layer.downcast_ref::<CudaPrepared>())
+            .cloned()
+            .map(NativeLinear::Sparse),
+        MaybeSparseLinear::Quantized(layer) => B::native_dense_layer(&layer.prepared()?)
+            .and_then(|layer| layer.downcast_ref::<DenseLayerGpu>())
+            .cloned()
+            .map(NativeLinear::Dense),
+        MaybeSparseLinear::Dense(_) | MaybeSparseLinear::Masked(_) => None,
+    })
+}
 
 /// A linear the operation runs on its result (its CUDA pipeline and output width).
 pub struct LinearAfter {
@@ -27,17 +77,23 @@ pub struct LinearAfter {
 }
 
 /// `linear` as the CUDA pipeline an operation can run after its own kernel, if it is one.
-pub fn linear_after<B: crate::SlideSparseBackend>(
-    linear: &crate::MaybeSparseLinear<B>,
+pub fn linear_after<B: SlideSparseBackend>(
+    linear: &MaybeSparseLinear<B>,
 ) -> Result<Option<LinearAfter>> {
     if !is_cuda::<B>() {
         return Ok(None);
     }
     let out_features = linear.features().1;
-    Ok(linear.native()?.map(|linear| LinearAfter {
+    Ok(native_linear(linear)?.map(|linear| LinearAfter {
         linear,
         out_features,
     }))
+}
+
+/// Compiles the kernels the block steps use on device `index` if they are not yet (before a
+/// fused operation is queued: its execution then has nothing left to fail on but launches).
+fn prepare(index: usize) -> Result<()> {
+    kernels::prepare_device(index)
 }
 
 /// The step's result through `then`'s linear, if any.
@@ -50,10 +106,7 @@ fn after(then: &Option<NativeLinear>, t: CubeTensor<Runtime>) -> Result<CubeTens
 
 /// The operation's output shape (`shape` of its own kernel, widened to `then`'s output
 /// width if any) and the linear its execution runs.
-fn split(
-    mut shape: burn::tensor::Shape,
-    then: Option<LinearAfter>,
-) -> (burn::tensor::Shape, Option<NativeLinear>) {
+fn split(mut shape: Shape, then: Option<LinearAfter>) -> (Shape, Option<NativeLinear>) {
     let then = then.map(|then| {
         let last = shape.num_dims() - 1;
         shape[last] = then.out_features;
@@ -95,6 +148,7 @@ pub fn rms_norm<B: Backend, const D: usize>(
     let eps = norm.epsilon;
     let out = run::<B>(
         "slidesparse_rms_norm",
+        prepare,
         inputs,
         outputs,
         dtype,
@@ -127,6 +181,7 @@ pub fn silu_mul<B: Backend, const D: usize>(
     let (shape, then) = split(shape, then);
     let out = run::<B>(
         "slidesparse_silu_mul",
+        prepare,
         vec![float(x)],
         vec![shape],
         dtype,
@@ -146,7 +201,7 @@ type BlockOutputs<B> = (Tensor<B, 3>, Tensor<B, 3>);
 /// The whole block as one operation where its four linears run the CUDA pipeline and the
 /// step kernels apply (its shapes checked by the caller).
 #[allow(clippy::type_complexity)]
-pub fn decoder_block<B: crate::SlideSparseBackend>(
+pub fn decoder_block<B: SlideSparseBackend>(
     (x, delta): BlockInputs<B>,
     block: &DecoderBlock<'_, B>,
     keys: &Tensor<B, 4>,
@@ -172,7 +227,7 @@ pub fn decoder_block<B: crate::SlideSparseBackend>(
     }
     let [batch, t, _] = x.dims();
     let (shape, dtype) = (x.shape(), x.dtype());
-    let out_shape = burn::tensor::Shape::new([batch, t, block.down.features().1]);
+    let out_shape = Shape::new([batch, t, block.down.features().1]);
     let has_delta = delta.is_some();
     let mut inputs = vec![float(x), float(g1), float(table.clone())];
     inputs.extend([float(keys.clone()), float(values.clone()), float(g2)]);
@@ -182,6 +237,7 @@ pub fn decoder_block<B: crate::SlideSparseBackend>(
     let [qkv, o, gate_up, down]: [NativeLinear; 4] = linears.try_into().expect("four linears");
     let out = run::<B>(
         "slidesparse_decoder_block",
+        prepare,
         inputs,
         vec![shape, out_shape],
         dtype,
@@ -234,10 +290,11 @@ pub fn rope_attention<B: Backend>(
         float(keys.clone()),
         float(values.clone()),
     ];
-    let (out_shape, then) = split(burn::tensor::Shape::new([batch, t, hq * d]), then);
+    let (out_shape, then) = split(Shape::new([batch, t, hq * d]), then);
     let (start, heads, scale) = (step.start, step.heads, step.scale);
     let out = run::<B>(
         "slidesparse_rope_attention",
+        prepare,
         inputs,
         vec![out_shape],
         dtype,

@@ -10,7 +10,8 @@ use burn::{
 #[cfg(feature = "cuda")]
 use super::cuda as native;
 use crate::{
-    attention::{AttentionOptions, causal_attention, qkv_head_dim},
+    attention::{AttentionOptions, causal_attention},
+    attention_shape::qkv_head_dim,
     error::{Result, SlideSparseError},
 };
 

@@ -36,15 +36,15 @@ use burn::tensor::{
 use cubecl::cuda::CudaDevice;
 use libloading::Library;
 
-use super::{CudaBackend, nccl_ranks::check_devices};
+use super::{nccl_ranks::check_devices, runtime::CudaBackend};
 use crate::{
     error::{Result, SlideSparseError},
-    tensor_parallel::Collective,
+    collective::Collective,
 };
 
 /// The GPUs of this process as tensor-parallel ranks, all-reduced through burn's own
 /// `DistributedBackend` (cubecl's NCCL): [`Collective`] for every such backend on CUDA
-/// devices, [`CudaBackend`] and [`CudaFusionBackend`](super::CudaFusionBackend) included.
+/// devices, [`CudaBackend`] and [`CudaFusionBackend`](super::runtime::CudaFusionBackend) included.
 ///
 /// Each call costs 2-6x what [`NcclRanks`](super::NcclRanks) costs (one H200: 6-9 µs on the
 /// plain backend, 18-20 µs on fusion, against 3 µs; `docs/decisions/tensor-parallel.md`):

@@ -70,28 +70,6 @@ impl Context {
     }
 }
 
-/// Runs `f` as the range that an external profiler started with `--profile-from-start off`
-/// records (Nsight Compute, Nsight Systems): `cuProfilerStart` before it and
-/// `cuProfilerStop` after it, on device `index`'s primary context. Without a profiler
-/// attached both calls do nothing. `f` should end with a device sync so that its kernels
-/// run inside the range.
-pub fn profiler_range<T>(index: usize, f: impl FnOnce() -> T) -> Result<T> {
-    let state = super::state::device_state(index)?;
-    let context = state.lock().unwrap_or_else(|e| e.into_inner()).context;
-    context.make_current()?;
-    // SAFETY: a current context (made so above); no arguments.
-    unsafe { sys::cuProfilerStart() }
-        .result()
-        .map_err(driver_err("cuProfilerStart"))?;
-    let out = f();
-    context.make_current()?;
-    // SAFETY: as above.
-    unsafe { sys::cuProfilerStop() }
-        .result()
-        .map_err(driver_err("cuProfilerStop"))?;
-    Ok(out)
-}
-
 /// A non-blocking stream of the current context.
 pub fn create_stream() -> Result<sys::CUstream> {
     cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))

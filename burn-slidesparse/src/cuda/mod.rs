@@ -117,6 +117,7 @@ internal_modules!(
     ordering,
     pipeline,
     prepare,
+    profiler,
     runtime,
     side_kernels,
     state,
@@ -136,11 +137,4 @@ pub use cubecl::cuda::CudaDevice;
 pub use driver::{cuda_driver_present, device_count};
 pub use nccl_ranks::NcclRanks;
 
-/// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of
-/// activations and outputs; bf16 gives 16-bit GEMM accumulators).
-pub type CudaBackend<F = f32> = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, i32, u8>;
-
-/// [`CudaBackend`] under burn's fusion (what `burn::backend::Cuda` is with burn's default
-/// features): element-wise operations fused into fewer kernels, SlideSparse layers and the
-/// attention kernels as custom fusion operations.
-pub type CudaFusionBackend<F = f32> = burn_fusion::Fusion<CudaBackend<F>>;
+pub use runtime::{CudaBackend, CudaFusionBackend};

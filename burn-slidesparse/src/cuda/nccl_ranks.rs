@@ -45,16 +45,15 @@ use cubecl::{
 use cudarc::driver::sys;
 
 use super::{
-    CudaBackend,
     config::config,
     driver::{cuda_device, device_count},
     nccl::{Comm, Nccl, data_type, op},
     ordering::probe_burn_stream,
-    runtime::{Client, Runtime},
+    runtime::{Client, CudaBackend, Runtime},
 };
 use crate::{
     error::{Result, SlideSparseError},
-    tensor_parallel::Collective,
+    collective::Collective,
 };
 
 type Server = <Runtime as cubecl::Runtime>::Server;

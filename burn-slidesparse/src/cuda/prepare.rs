@@ -18,7 +18,7 @@ use super::{
     state::{DeviceState, device_state},
 };
 use crate::{
-    backend::LayerSpec,
+    pack::LayerSpec,
     error::{Result, SlideSparseError},
     weight_quant::{Precision, QuantizedWeight},
 };

@@ -1,5 +1,5 @@
-//! The cubecl side of the CUDA path: the runtime and client types, device pointers of
-//! cubecl allocations, and the one blocking wait on burn's stream.
+//! The cubecl side of the CUDA path: the runtime, client and backend types, device pointers
+//! of cubecl allocations, and the one blocking wait on burn's stream.
 
 use cubecl::{prelude::*, server::Handle};
 
@@ -32,3 +32,12 @@ pub fn device_ptr(client: &Client, handle: &Handle) -> Result<u64> {
 pub fn sync_burn_stream(client: &Client) -> Result<()> {
     cubecl::future::block_on(client.sync()).map_err(|e| cubecl_err("sync")(&e))
 }
+
+/// burn-cuda's backend on which the SlideSparse CUDA path runs (`F` is the float type of
+/// activations and outputs; bf16 gives 16-bit GEMM accumulators).
+pub type CudaBackend<F = f32> = burn_cubecl::CubeBackend<Runtime, F, i32, u8>;
+
+/// [`CudaBackend`] under burn's fusion (what `burn::backend::Cuda` is with burn's default
+/// features): element-wise operations fused into fewer kernels, SlideSparse layers and the
+/// attention kernels as custom fusion operations.
+pub type CudaFusionBackend<F = f32> = burn_fusion::Fusion<CudaBackend<F>>;

@@ -9,7 +9,7 @@ use cubecl::server::Handle;
 
 use super::{Call, Launch, Runtime, device_kernels, submit, take_failure};
 use crate::{
-    attention::qkv_head_dim,
+    attention_shape::qkv_head_dim,
     error::{Result, SlideSparseError},
 };
 

@@ -39,7 +39,7 @@ use super::{
     thread_exit::at_thread_exit,
 };
 use crate::{
-    attention::AttentionShape,
+    attention_shape::AttentionShape,
     error::{Result, SlideSparseError},
 };
 
