@@ -206,9 +206,12 @@ pub enum SlideSparseError {
         source: safetensors::SafeTensorError,
     },
 
-    /// An error of an earlier forward that burn's fusion backend executed after the call
-    /// that queued it had returned; that forward's output was set to NaN.
-    #[error("an earlier fused SlideSparse forward failed (its output was set to NaN): {0}")]
+    /// The error of work queued earlier on the same stream (the calling thread's cubecl
+    /// stream) that failed after the call that queued it had returned: an operation burn's
+    /// fusion backend executed later, or a kernel, GEMM graph or NCCL launch that cubecl's
+    /// device thread issued later. That work's outputs were set to NaN. Reported once, by the
+    /// next call of this crate on that stream; calls on other streams never see it.
+    #[error("work queued earlier on this stream failed (its outputs were set to NaN): {0}")]
     Deferred(Box<SlideSparseError>),
 
     /// A packed file that does not fit the model it is loaded into: a layer the model does
@@ -335,11 +338,9 @@ pub enum SlideSparseError {
         tensor: String,
     },
 
-    /// A GEMM replayed from a CUDA graph, queued without waiting, failed; its forward's
-    /// output was set to NaN. Reported by the next GEMM call on the same thread.
-    #[error(
-        "an earlier queued GEMM replay on this thread failed ({code}); that forward's output was set to NaN"
-    )]
+    /// The launch of a GEMM captured as a CUDA graph, queued without waiting, failed; its
+    /// forward's output was set to NaN. Reported inside [`Deferred`](Self::Deferred).
+    #[error("a queued GEMM graph launch failed ({code})")]
     QueuedReplayFailed {
         /// The `CUresult` of `cuGraphLaunch`.
         code: String,

@@ -12,11 +12,9 @@
 //!
 //! Errors: a wrong input width is found when the forward is queued and returned at once. An
 //! error inside the execution cannot reach the caller from there: the output is filled with
-//! NaN (never a stale or partial result) and the error is kept; the next SlideSparse forward
-//! on a fusion backend (any layer, any thread) returns it as
-//! [`SlideSparseError::Deferred`].
-
-use std::sync::Mutex;
+//! NaN (never a stale or partial result) and the error is recorded against the operation's
+//! cubecl stream (`crate::deferred`); the next call of this crate on that stream (the thread
+//! that queued the forward) returns it as [`SlideSparseError::Deferred`].
 
 use burn::tensor::{Shape, Tensor, TensorData, TensorPrimitive, backend::Backend};
 use burn_fusion::{
@@ -27,24 +25,9 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorI
 
 use crate::{
     backend::{DenseTensors, PackedTensors, SlideSparseBackend},
+    deferred,
     error::{Result, SlideSparseError},
 };
-
-/// The first error of a fused execution not yet reported.
-static DEFERRED: Mutex<Option<SlideSparseError>> = Mutex::new(None);
-
-fn keep_error(error: SlideSparseError) {
-    let mut slot = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
-    slot.get_or_insert(error);
-}
-
-/// Returns the error a fused execution kept, if any (once).
-fn take_deferred() -> Result<()> {
-    match DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        None => Ok(()),
-        Some(error) => Err(SlideSparseError::Deferred(Box::new(error))),
-    }
-}
 
 /// A layer prepared on the inner backend, with the widths a forward is checked against
 /// when it is queued.
@@ -94,10 +77,10 @@ impl<B: FusionBackend + SlideSparseBackend> Operation<B::FusionRuntime> for Forw
             handles.get_float_tensor::<B>(&self.x),
         ));
         let device = x.device();
-        let y = match self.run(x) {
+        let y = match deferred::executing(|| self.run(x)) {
             Ok(y) if y.dims() == [self.out.shape[0], self.out.shape[1]] => y,
             Ok(y) => {
-                keep_error(SlideSparseError::shape(
+                deferred::record_current(SlideSparseError::shape(
                     "fused SlideSparse forward output",
                     [self.out.shape[0], self.out.shape[1]],
                     y.dims(),
@@ -105,7 +88,7 @@ impl<B: FusionBackend + SlideSparseBackend> Operation<B::FusionRuntime> for Forw
                 nan_output(&self.out, &device)
             }
             Err(error) => {
-                keep_error(error);
+                deferred::record_current(error);
                 nan_output(&self.out, &device)
             }
         };
@@ -124,7 +107,7 @@ fn queue<B: FusionBackend + SlideSparseBackend>(
     (in_features, out_features): (usize, usize),
     layer: InnerLayer<B>,
 ) -> Result<Tensor<Fusion<B>, 2>> {
-    take_deferred()?;
+    deferred::take_current()?;
     let [m, k] = x.dims();
     if k != in_features {
         return Err(SlideSparseError::shape(

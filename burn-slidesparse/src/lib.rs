@@ -17,6 +17,7 @@ mod collective;
 mod concat;
 #[cfg(feature = "cubecl")]
 mod cube;
+mod deferred;
 mod error;
 mod files;
 mod format;

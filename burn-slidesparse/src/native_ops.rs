@@ -6,12 +6,12 @@
 //! caller's reference.
 //!
 //! A fused execution cannot return its error: its outputs are NaN (never a stale result) and
-//! the error is kept for the next call, which returns it as `SlideSparseError::Deferred`.
+//! the error is recorded against the operation's cubecl stream (`crate::deferred`), whose
+//! next call returns it as `SlideSparseError::Deferred`.
 
 use std::{
     any::{Any, TypeId},
     fmt,
-    sync::Mutex,
 };
 
 use burn::tensor::{DType, Shape, Tensor, backend::Backend};
@@ -24,6 +24,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use crate::{
     cuda::runtime::Runtime,
+    deferred,
     error::{Result, SlideSparseError},
 };
 
@@ -105,9 +106,6 @@ fn back<B: Backend, T: 'static>(outputs: Vec<T>) -> Vec<B::FloatTensorPrimitive>
     cast_all(outputs).unwrap_or_else(|_| unreachable!("the type the inputs were cast from"))
 }
 
-/// The first error of a fused execution not yet reported.
-static DEFERRED: Mutex<Option<SlideSparseError>> = Mutex::new(None);
-
 /// The custom fusion operation: `outputs = kernel(inputs)` on the inner CUDA tensors.
 struct KernelOp {
     inputs: Vec<TensorIr>,
@@ -148,7 +146,7 @@ impl Operation<FusionCubeRuntime<Runtime>> for KernelOp {
             .map(|ir| handles.get_float_tensor::<Cuda>(ir))
             .collect();
         let device = inputs[0].device.clone();
-        let outputs = match (self.kernel)(inputs) {
+        let outputs = match deferred::executing(|| (self.kernel)(inputs)) {
             Ok(outputs) if self.declared(&outputs) => outputs,
             result => {
                 let error = result
@@ -157,10 +155,7 @@ impl Operation<FusionCubeRuntime<Runtime>> for KernelOp {
                         what: "fused operation".into(),
                         why: "returned outputs of other shapes or dtypes than it declared".into(),
                     });
-                DEFERRED
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert(error);
+                deferred::record_current(error);
                 self.outputs
                     .iter()
                     .map(|ir| nan_like(ir, &device))
@@ -203,9 +198,7 @@ fn queue(
     dtype: DType,
     kernel: Kernel,
 ) -> Result<Vec<FusedCuda>> {
-    if let Some(error) = DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        return Err(SlideSparseError::Deferred(Box::new(error)));
-    }
+    deferred::take_current()?;
     let client = inputs[0].client.clone();
     prepare(client.device().index)?;
     let streams = OperationStreams::with_inputs(&inputs);
