@@ -7,7 +7,7 @@
 //! head `h / (hq / hkv)`. Prefill is `tq == kv_len` (or a prefix cached before it), decode is
 //! `tq` of 1 or a few.
 //!
-//! [`causal_attention`] runs the CUDA kernels (`cuda/attention`, feature `cuda`) for burn-cuda's
+//! [`causal_attention`] runs the CUDA kernels (`cuda/attention.rs`, feature `cuda`) for burn-cuda's
 //! `CubeBackend` and for `Fusion` over it (a custom fusion operation, in stream order), and
 //! [`causal_attention_reference`] everywhere else: the materialized computation (matmul,
 //! mask, softmax, matmul in f32), which is also the tests' oracle.
@@ -126,7 +126,7 @@ mod native {
         let (kv_len, scale) = (options.kv_len, options.scale);
         let outs = run::<B>(
             "slidesparse_causal_attention",
-            attention::prepare_device,
+            attention::prepare,
             vec![float(q.clone()), float(k.clone()), float(v.clone())],
             vec![out],
             q.dtype(),

@@ -405,10 +405,7 @@ impl Drop for DefaultOrderingOnDrop {
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     use burn_slidesparse::{
-        cuda::{
-            DenseLayerGpu, SyncMode,
-            state::{device_state, update_settings},
-        },
+        cuda::{DenseLayerGpu, SyncMode, queued::lanes, state::update_settings},
         internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -458,13 +455,11 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     };
     let host = run(SyncMode::Host);
     let stream = run(SyncMode::Stream);
-    let state = device_state(0).unwrap();
-    let (used, why) = state
+    let (used, why) = lanes(0)
+        .unwrap()
         .lock()
         .unwrap()
-        .lanes
         .current()
-        .unwrap()
         .ordering(&client, SyncMode::Stream);
     assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
     for (i, (h, s)) in host.iter().zip(&stream).enumerate() {
@@ -479,7 +474,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
 }
 
 /// Decode-sized forwards keep their intermediate buffers per thread and replay the GEMM
-/// from a CUDA graph (`cuda/scratch.rs`, `cuda/graphs.rs`). SlideSparse layers of three
+/// from a CUDA graph (`cuda/buffers.rs`, `cuda/graphs.rs`). SlideSparse layers of three
 /// patterns, shapes and precisions and a dense layer, interleaved back to back at M that
 /// grow, shrink and repeat (capture, then replay; the kept buffers shared by all layers and
 /// grown on the way), on fresh random inputs: bit-identical to direct library calls, and
@@ -488,7 +483,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     use burn_slidesparse::{
-        cuda::{DenseLayerGpu, GraphMode, Settings, SyncMode, state::device_state},
+        cuda::{DenseLayerGpu, GraphMode, Settings, SyncMode, queued::lanes, state::device_state},
         internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -566,12 +561,12 @@ fn decode_graph_replay_is_bit_identical_to_direct_calls() {
     // Captures (and blocking replays), then replays queued on cubecl's device thread.
     let blocking = run(true, false);
     let replayed = run(true, true);
-    let state = device_state(0).unwrap();
-    let mut state = state.lock().unwrap();
-    let graphs = &state.lanes.current().unwrap().graphs;
+    let lanes = lanes(0).unwrap();
+    let mut lanes = lanes.lock().unwrap();
+    let graphs = &lanes.current().graphs;
     assert_eq!(graphs.last_failure(), None, "a GEMM capture failed");
     let captured = graphs.captured();
-    drop(state);
+    drop(lanes);
     // At least one graph per layer and M bucket (M padded to 16: 16, 48, 64); more only
     // where the kept buffers grew between uses (the direct run above already grew them).
     let buckets = [16, 48, 64].len();
@@ -705,6 +700,131 @@ fn lanes_of_ended_threads_are_retired_and_their_queued_forwards_still_run() {
         "{THREADS} ended threads: lanes in use {} -> {}, retired {} -> {}, worst rel err {worst:.2e}",
         before.lanes, after.lanes, before.retired, after.retired
     );
+}
+
+/// A launch queued on cubecl's device thread that fails reaches only the cubecl stream that
+/// queued it. Two threads, each with its own model (a SlideSparse layer at decode size, whose
+/// GEMM replays are queued, and the attention kernels), run side by side; one thread's next
+/// queued launch is made to fail (`fail_next_queued_launch`, the `internals` test hook). That
+/// thread's output is NaN and its next call returns `Deferred` with the launch's error, once;
+/// the other thread's calls, made while the failure is pending, all succeed with the same
+/// bits as before it. Then the same for a kernel launch of the attention.
+#[test]
+#[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
+fn a_queued_failure_reaches_only_the_stream_that_queued_it() {
+    use std::sync::{Arc, Barrier};
+
+    use burn_slidesparse::{
+        AttentionOptions, SlideSparseError, causal_attention,
+        cuda::{
+            GraphMode, SyncMode,
+            queued::{fail_next_queued_launch, lanes},
+            state::update_settings,
+        },
+    };
+    let _restore = DefaultOrderingOnDrop;
+    update_settings(0, |s| {
+        s.sync = SyncMode::Stream;
+        s.graphs = GraphMode::Queued;
+    })
+    .unwrap();
+    let mut rng = rng(150);
+    let (k, n) = (1024, 1536);
+    let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+    let models: Vec<(PackedLinear, Vec<f32>)> = (0..2)
+        .map(|_| {
+            let (w, b) = (random_f32(&mut rng, n * k), random_f32(&mut rng, n));
+            let packed = pack_linear("w", &w, n, k, Some(&b), &options).unwrap().0;
+            (packed, random_f32(&mut rng, k))
+        })
+        .collect();
+    // Attention of one decode query (8 heads over 2 KV heads, head dim 64) over 40 cached
+    // positions, bf16.
+    let (hq, hkv, d, kv) = (8, 2, 64, 40);
+    let attention_inputs: Vec<[Vec<f32>; 3]> = (0..2)
+        .map(|_| {
+            [
+                random_f32(&mut rng, hq * d),
+                random_f32(&mut rng, kv * hkv * d),
+                random_f32(&mut rng, kv * hkv * d),
+            ]
+        })
+        .collect();
+    let barrier = Arc::new(Barrier::new(2));
+    let threads: Vec<_> = models
+        .into_iter()
+        .zip(attention_inputs)
+        .enumerate()
+        .map(|(t, ((packed, x), [q, kc, vc]))| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let fails = t == 0;
+                let device = Default::default();
+                let layer = SlideSparseLinear::<Gpu>::from_packed(&packed, &device);
+                let forward = || {
+                    let y = layer.try_forward(on_gpu::<Gpu, 2>(x.clone(), [1, k], DType::F32));
+                    y.map(|y| y.into_data().convert::<f32>().into_vec::<f32>().unwrap())
+                };
+                let attend = || {
+                    let q = on_gpu::<Gpu, 4>(q.clone(), [1, 1, hq, d], DType::BF16);
+                    let kc = on_gpu::<Gpu, 4>(kc.clone(), [1, kv, hkv, d], DType::BF16);
+                    let vc = on_gpu::<Gpu, 4>(vc.clone(), [1, kv, hkv, d], DType::BF16);
+                    causal_attention(q, kc, vc, AttentionOptions::default())
+                        .map(|o| o.into_data().convert::<f32>().into_vec::<f32>().unwrap())
+                };
+                let deferred = |result: Result<Vec<f32>, SlideSparseError>, what: &str| match result
+                {
+                    Err(SlideSparseError::Deferred(inner)) => inner.to_string(),
+                    other => panic!("thread {t}, {what}: expected Deferred, got {other:?}"),
+                };
+                // Graphs captured, replays queued from here on; the attention compiled.
+                let layer_bits = forward().unwrap();
+                assert_eq!(forward().unwrap(), layer_bits, "thread {t}: replay");
+                let attention_bits = attend().unwrap();
+                let client = CudaRuntime::client(&device);
+                let (used, why) = lanes(0)
+                    .unwrap()
+                    .lock()
+                    .unwrap()
+                    .current()
+                    .ordering(&client, SyncMode::Stream);
+                assert_eq!(
+                    used,
+                    SyncMode::Stream,
+                    "needs CUPTI (queued launches): {why:?}"
+                );
+                for (what, run, bits) in [
+                    ("layer", &forward as &dyn Fn() -> _, &layer_bits),
+                    ("attention", &attend, &attention_bits),
+                ] {
+                    if fails {
+                        fail_next_queued_launch();
+                        let out = run().expect("the failure is reported by the next call");
+                        assert!(out.iter().all(|v| v.is_nan()), "{what}: output not NaN");
+                    }
+                    // The failure is recorded (the read above waited for the launch).
+                    barrier.wait();
+                    if !fails {
+                        for i in 0..4 {
+                            let out = run().unwrap_or_else(|e| {
+                                panic!("{what} call {i} of the other thread failed: {e}")
+                            });
+                            assert_eq!(&out, bits, "{what} call {i} of the other thread");
+                        }
+                    }
+                    barrier.wait();
+                    if fails {
+                        let error = deferred(run(), what);
+                        assert!(error.contains("failure injected"), "{what}: {error}");
+                        assert_eq!(&run().unwrap(), bits, "{what}: reported more than once");
+                    }
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
 }
 
 /// Reads a GPU tensor primitive back as f32.
@@ -1098,7 +1218,7 @@ fn spin_waits_time_out_instead_of_hanging() {
     let state = device_state(0).unwrap();
     let state = state.lock().unwrap();
     state.make_current().unwrap();
-    let side = SideKernels::new().unwrap();
+    let side = SideKernels::new(0).unwrap();
     // SAFETY: live 4-byte cubecl allocations (`get_resource` returns after the uploads); our
     // stream belongs to this context.
     unsafe {
@@ -1272,10 +1392,7 @@ fn fusion_backend_matches_the_reference_for_every_pattern_and_precision() {
 fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
     use burn_slidesparse::{
         QuantizedLinear,
-        cuda::{
-            SyncMode,
-            state::{device_state, update_settings},
-        },
+        cuda::{SyncMode, queued::lanes, state::update_settings},
         internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -1321,13 +1438,11 @@ fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
     let host = run(SyncMode::Host);
     let stream = run(SyncMode::Stream);
     let client = CudaRuntime::client(&device);
-    let state = device_state(0).unwrap();
-    let (used, why) = state
+    let (used, why) = lanes(0)
+        .unwrap()
         .lock()
         .unwrap()
-        .lanes
         .current()
-        .unwrap()
         .ordering(&client, SyncMode::Stream);
     assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
     for (i, (h, s)) in host.iter().zip(&stream).enumerate() {
@@ -1349,10 +1464,7 @@ fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn fusion_decode_graph_replay_is_bit_identical_to_direct_calls() {
-    use burn_slidesparse::cuda::{
-        GraphMode, SyncMode,
-        state::{device_state, update_settings},
-    };
+    use burn_slidesparse::cuda::{GraphMode, SyncMode, queued::lanes, state::update_settings};
     let _restore = DefaultOrderingOnDrop;
     let device = Default::default();
     let mut rng = rng(113);
@@ -1391,12 +1503,12 @@ fn fusion_decode_graph_replay_is_bit_identical_to_direct_calls() {
     let direct = run(GraphMode::Off);
     let queued = run(GraphMode::Queued);
     assert_eq!(direct, queued, "replayed forwards differ from direct calls");
-    let state = device_state(0).unwrap();
-    let mut state = state.lock().unwrap();
-    let graphs = &state.lanes.current().unwrap().graphs;
+    let lanes = lanes(0).unwrap();
+    let mut lanes = lanes.lock().unwrap();
+    let graphs = &lanes.current().graphs;
     assert_eq!(graphs.last_failure(), None, "a GEMM capture failed");
     let captured = graphs.captured();
-    drop(state);
+    drop(lanes);
     assert!(
         captured >= 3,
         "only {captured} graphs captured on the fusion backend's lane"

@@ -1,8 +1,8 @@
-//! burn-cuda's tensors (plain or fused, a checked downcast from the backend's tensor
-//! type) to the kernels of `cuda::attention`. The inputs the caller gives up are moved
-//! into the operation (on fusion a clone would cost one more queued operation, the
-//! caller's drop); for every other backend, or what the kernels do not cover, they come
-//! back as `Err` untouched and the caller runs the reference.
+//! burn-cuda's tensors (plain or fused, a checked downcast from the backend's tensor type)
+//! to the kernels of `cuda::block_steps` and the linears after them ([`NativeLinear`]). The
+//! inputs the caller gives up are moved into the operation (on fusion a clone would cost one
+//! more queued operation, the caller's drop); for every other backend, or what the kernels
+//! do not cover, they come back as `Err` untouched and the caller runs the reference.
 
 use burn::{
     nn::RmsNorm,
@@ -13,7 +13,7 @@ use burn_cubecl::tensor::CubeTensor;
 use super::{decoder_block::DecoderBlock, steps::RopeAttention};
 use crate::{
     backend::SlideSparseBackend,
-    cuda::{CudaPrepared, DenseLayerGpu, attention as kernels, runtime::Runtime},
+    cuda::{CudaPrepared, DenseLayerGpu, attention, block_steps as kernels, runtime::Runtime},
     error::Result,
     maybe_sparse::MaybeSparseLinear,
     native_ops::{NativeTensors, float, is_cuda, run, same_16_bit as sixteen_bit, wrap},
@@ -93,7 +93,8 @@ pub fn linear_after<B: SlideSparseBackend>(
 /// Compiles the kernels the block steps use on device `index` if they are not yet (before a
 /// fused operation is queued: its execution then has nothing left to fail on but launches).
 fn prepare(index: usize) -> Result<()> {
-    kernels::prepare_device(index)
+    kernels::prepare(index)?;
+    attention::prepare(index)
 }
 
 /// The step's result through `then`'s linear, if any.

@@ -1,7 +1,7 @@
 //! The configuration of the CUDA path, read from the environment in one place.
 //!
-//! Every `SLIDESPARSE_*` variable is read here, once per device state (when a device is
-//! first used). A value that is not one of the accepted ones is an error naming the
+//! Every `SLIDESPARSE_*` variable is read here, once per process (when a device is first
+//! used). A value that is not one of the accepted ones is an error naming the
 //! variable and the accepted values, never a silent default: `SLIDESPARSE_GRAPHS=of` must
 //! not mean "graphs on". `docs/configuration.md` has the table.
 
@@ -20,7 +20,7 @@ pub enum SyncMode {
 }
 
 /// Whether GEMM calls on kept buffers are replayed as CUDA graphs, and how (`graphs.rs`,
-/// `device_thread.rs`).
+/// `queued`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GraphMode {
     /// Replayed, and the launch of a captured graph queued on cubecl's device thread
@@ -70,6 +70,9 @@ pub struct Config {
     pub nccl: Option<PathBuf>,
     /// `SLIDESPARSE_CUPTI`: the CUPTI library file to load first.
     pub cupti: Option<PathBuf>,
+    /// `SLIDESPARSE_KERNEL_DIR`: a folder whose CUDA C files replace the ones compiled into
+    /// the binary (`nvrtc_module.rs`).
+    pub kernel_dir: Option<PathBuf>,
     /// `CUDA_PATH` (default `/usr/local/cuda`): where CUPTI is looked for.
     pub cuda_path: PathBuf,
     /// Roots of Python environments whose pip folders may hold cuSPARSELt and NCCL
@@ -155,6 +158,7 @@ impl Config {
             cusparselt: path("SLIDESPARSE_CUSPARSELT"),
             nccl: path("SLIDESPARSE_NCCL"),
             cupti: path("SLIDESPARSE_CUPTI"),
+            kernel_dir: path("SLIDESPARSE_KERNEL_DIR"),
             cuda_path: path("CUDA_PATH").unwrap_or_else(|| PathBuf::from("/usr/local/cuda")),
             python_roots,
         })

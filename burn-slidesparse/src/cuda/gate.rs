@@ -17,9 +17,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result as cu, sys};
 
 use super::{
-    device_thread::on_burn_stream,
     driver::driver_err,
-    ordering::Lane,
+    queued::{Lanes, on_burn_stream},
     runtime::Client,
     side_kernels::SideKernels,
     state::{DeviceState, device_state},
@@ -65,7 +64,7 @@ impl StreamGate {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .make_current()?;
-        let side = SideKernels::new()?;
+        let side = SideKernels::new(index)?;
         // SAFETY: the device's context is current; both allocations are 4 bytes, zeroed
         // synchronously before any kernel can read them.
         let (flag, timed_out) = unsafe {
@@ -100,9 +99,9 @@ impl StreamGate {
             .ok_or_else(|| gate_err("epochs exhausted"))?;
         let (flag, timed_out, epoch, start) = (self.flag, self.timed_out, self.epoch, self.start);
         let (max_spins, side) = (self.max_spins, &self.side);
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
-        let stream = burn_stream(state.lanes.current()?, client)?;
+        let stream = burn_stream(&state.lanes, client)?;
         on_burn_stream(client, stream, |stream| {
             // SAFETY: `stream` is burn's live stream; the flags are live 4-byte allocations.
             unsafe {
@@ -117,9 +116,9 @@ impl StreamGate {
     /// end of the last piece of work).
     pub fn open_and_time(&mut self, client: &Client) -> Result<f64> {
         let end = self.end;
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.make_current()?;
-        let burn = burn_stream(state.lanes.current()?, client)?;
+        let burn = burn_stream(&state.lanes, client)?;
         let stream = &state.stream;
         let side = &self.side;
         on_burn_stream(client, burn, |burn| {
@@ -147,9 +146,12 @@ impl StreamGate {
     }
 }
 
-/// burn's stream of `lane`'s thread, or why it is unknown (the gate needs it).
-fn burn_stream(lane: &mut Lane, client: &Client) -> Result<sys::CUstream> {
-    lane.burn_stream(client)
+/// burn's stream of the current cubecl stream, or why it is unknown (the gate needs it).
+fn burn_stream(lanes: &Mutex<Lanes>, client: &Client) -> Result<sys::CUstream> {
+    let mut lanes = lanes.lock().unwrap_or_else(|e| e.into_inner());
+    lanes
+        .current()
+        .burn_stream(client)
         .map_err(|why| gate_err(format!("burn's stream not found: {why}")))
 }
 

@@ -1,7 +1,7 @@
 //! The two library GEMMs a forward can run, behind one trait: cuSPARSELt on the slid 2:4
 //! weight at `K'` (the SlideSparse layer) and cuBLASLt on the dense weight at `K` (the
 //! dense quantized baseline). Both are ordered on burn's stream the same way
-//! (`ordering.rs`) and replayed as CUDA graphs on kept buffers (`graphs.rs`).
+//! (`queued::run_ordered`) and replayed as CUDA graphs on kept buffers (`graphs.rs`).
 
 use burn::tensor::DType;
 use cudarc::driver::sys;
@@ -13,7 +13,7 @@ use super::{
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt::{GemmPointers, GemmShape, sys::Stream},
     graphs::{GemmCall, GraphKey, Replay},
-    ordering::{Lane, run_ordered},
+    queued::{Lanes, run_ordered},
     runtime::{Client, device_ptr, sync_burn_stream},
     state::DeviceState,
 };
@@ -49,13 +49,14 @@ pub trait LayerGemm: Clone + Send + Sync + 'static {
     ) -> Result<()>;
 }
 
-/// Runs a GEMM call (`enqueue`) on `lane` under the device's settings: replayed from a graph
-/// keyed by `call` (the call's shape and its weight, alpha and workspace pointers) when the
-/// activations and accumulator are kept buffers, ordered on burn's stream, with the token
-/// scales of the `m_pad` rows as the NaN target of a failed queued replay.
+/// Runs a GEMM call (`enqueue`) on the current lane of `lanes` under the device's settings:
+/// replayed from a graph keyed by `call` (the call's shape and its weight, alpha and
+/// workspace pointers) when the activations and accumulator are kept buffers, ordered on
+/// burn's stream, with the token scales of the `m_pad` rows as the NaN target of a failed
+/// queued replay.
 fn run_on_lane(
     client: &Client,
-    lane: &mut Lane,
+    lanes: &mut Lanes,
     settings: Settings,
     (buffers, m_pad): (GemmBuffers<'_>, usize),
     (call, weight, alpha, workspace): (GemmCall, u64, u64, u64),
@@ -66,7 +67,7 @@ fn run_on_lane(
         GraphKey::if_kept(call, weight, kept, alpha, workspace)
     });
     let poison = (buffers.token_scales, m_pad);
-    run_ordered(client, lane, settings.sync, poison, replay, enqueue)
+    run_ordered(client, lanes, settings.sync, poison, replay, enqueue)
 }
 
 /// The compressed 2:4 weight `W' [n_pad, K']` for cuSPARSELt.
@@ -152,10 +153,10 @@ impl LayerGemm for SparseGemm {
         let settings = state.settings();
         let (lt, plans, lanes, _) = state.parts();
         let plan = &plans[&shape];
-        let lane = lanes.current()?;
-        let p_ws = lane.workspace(client, plan.workspace)?;
+        let mut lanes = lanes.lock().unwrap_or_else(|e| e.into_inner());
+        let p_ws = lanes.current().workspace(client, plan.workspace)?;
         let call = (GemmCall::Sparse(shape), self.compressed.ptr, self.alpha.ptr, p_ws);
-        run_on_lane(client, lane, settings, (buffers, m_pad), call, |stream| {
+        run_on_lane(client, &mut lanes, settings, (buffers, m_pad), call, |stream| {
             // Pointers of buffers that are not kept are resolved here: on cubecl's device
             // thread in `Stream` mode, where `get_resource` is a direct call.
             let p = self.pointers(client, buffers)?;
@@ -205,11 +206,11 @@ impl LayerGemm for DenseGemm {
         let settings = state.settings();
         let (_, _, lanes, dense) = state.parts();
         let gemm = dense.expect("created above");
-        let lane = lanes.current()?;
-        let p_ws = lane.workspace(client, WORKSPACE)?;
+        let mut lanes = lanes.lock().unwrap_or_else(|e| e.into_inner());
+        let p_ws = lanes.current().workspace(client, WORKSPACE)?;
         let weight = self.weight.ptr;
         let call = (GemmCall::Dense(shape), weight, 0, p_ws);
-        run_on_lane(client, lane, settings, (buffers, m_pad), call, |stream| {
+        run_on_lane(client, &mut lanes, settings, (buffers, m_pad), call, |stream| {
             // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
             let (p_x, p_acc) = (
                 buffers.codes.pointer(client)?,

@@ -5,7 +5,7 @@
 //! host (`slidesparse-bench host`), against ~3 us to launch a captured graph. A graph bakes
 //! in its pointers, so it is only used when every buffer the call touches has a pointer
 //! that does not change between calls: the layer's weights and scales, and the thread's
-//! kept buffers (`scratch.rs`). The key is the GEMM's shape plus all those pointers: a
+//! kept buffers (`buffers.rs`). The key is the GEMM's shape plus all those pointers: a
 //! graph found under a key does exactly what the call it was captured from would do.
 //!
 //! Capture runs on a stream of the lane's that is used for nothing else, in thread-local
@@ -13,7 +13,7 @@
 //! there meanwhile). If a capture fails (a library version that does something a capture
 //! forbids), that call runs directly from then on and the reason is kept: a graph is an
 //! optimization, never a requirement. Once captured, a graph's launch is normally queued on
-//! cubecl's device thread without waiting for it (`device_thread.rs`).
+//! cubecl's device thread without waiting for it (`queued/device_thread.rs`).
 
 use std::collections::HashMap;
 
@@ -67,7 +67,7 @@ pub struct Replay {
     /// The key of the call's graph, or `None` to run the call directly.
     pub key: Option<GraphKey>,
     /// Launch an already captured graph from cubecl's task queue without waiting for the
-    /// device thread (`device_thread.rs`), in the `Stream` ordering.
+    /// device thread (`queued/device_thread.rs`), in the `Stream` ordering.
     pub queued: bool,
 }
 
@@ -103,7 +103,7 @@ pub struct GemmGraphs {
 
 // SAFETY: graph executables and the capture stream are driver handles, usable from any
 // thread of the process; `&mut self` keeps the table to one thread at a time. A retired
-// lane's graphs are dropped on cubecl's device thread (`ordering.rs`).
+// lane's graphs are dropped on cubecl's device thread (`queued/lanes.rs`).
 unsafe impl Send for GemmGraphs {}
 
 impl GemmGraphs {
@@ -221,7 +221,7 @@ impl GemmGraphs {
 
     /// Destroys every graph. Graph launches already issued keep their resources (CUDA
     /// defers the release until they complete). Launches still in cubecl's task queue
-    /// (`device_thread.rs`) hold an exec by pointer, so this runs only where every task
+    /// (`queued/device_thread.rs`) hold an exec by pointer, so this runs only where every task
     /// queued before it has run: on cubecl's device thread (a capture in `Stream` mode) or
     /// after a sync of burn's stream (`Host` mode).
     fn clear(&mut self) {

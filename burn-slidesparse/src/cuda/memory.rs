@@ -14,6 +14,7 @@ use cudarc::driver::result as cu;
 
 use super::{
     driver::driver_err,
+    queued::{GraphReport, lanes},
     runtime::{Client, cubecl_err},
     state::DeviceState,
 };
@@ -89,12 +90,12 @@ pub struct MemoryReport {
 }
 
 /// The GEMM graphs `device`'s lanes hold now and how their GEMM calls ran, over every
-/// layer run so far (see [`GraphReport`](super::ordering::GraphReport)). On fusion, sync
-/// first: a queued forward has not captured its graph yet.
-pub fn graph_report(device: &cubecl::cuda::CudaDevice) -> Result<super::ordering::GraphReport> {
-    let state = super::state::device_state(device.index)?;
-    let state = state.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(state.lanes.graph_report())
+/// layer run so far (see [`GraphReport`]). On fusion, sync first: a queued forward has not
+/// captured its graph yet.
+pub fn graph_report(device: &cubecl::cuda::CudaDevice) -> Result<GraphReport> {
+    let lanes = lanes(device.index)?;
+    let lanes = lanes.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(lanes.graph_report())
 }
 
 /// What `device` holds now, after everything queued on burn's stream of this thread has run

@@ -2,23 +2,29 @@
 //! `CubeBackend` (chosen in `cube.rs` from the runtime's type), with cuSPARSELt (and
 //! cuBLASLt for the dense baseline) ordered on burn's own stream.
 //!
-//! Layers, bottom to top; a module imports only from layers below it:
+//! Layers, bottom to top; a module imports only from its own layer or those below it, and
+//! no import cycle (`scripts/check-layers.py` checks this list against
+//! `docs/architecture.md`):
 //!
 //! 1. helpers: [`config`] (the environment, read once), `runtime` (cubecl types, device
-//!    pointers), `driver` (typed driver errors, device, context), `accumulator` (what a
-//!    GEMM writes), `thread_exit` (per-stream state released when its thread ends);
+//!    pointers, per-device values), `driver` (typed driver errors, device, context),
+//!    `accumulator` (what a GEMM writes), `thread_exit` (per-stream state released when its
+//!    thread ends);
 //! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
 //!    `cublaslt`, `cupti`, `nccl` (the library, found at run time, for tensor parallelism),
-//!    `side_kernels`; `algo_cache` (search results on disk); `attention` (own
-//!    NVRTC flash-attention kernels, ordered like `ordering.rs`);
-//! 3. buffers and ordering: `buffers` (held and kept device buffers), `graphs` (GEMM calls
-//!    replayed as CUDA graphs), `device_thread` (work on cubecl's device thread),
-//!    `ordering` (per-thread lanes; the GEMM on burn's stream), `launch` (kernel launches);
-//! 4. `state` (per-device state), `memory` (allocations checked against free memory);
-//! 5. `gemm` (the two library GEMMs behind one trait), `pipeline` (the one forward:
-//!    quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once), [`collective`]
-//!    (NCCL's all-reduce and all-gather on burn's streams: tensor-parallel ranks);
-//! 6. the benchmark tool `gate`.
+//!    `nvrtc_module` (our CUDA C of `kernels/`, compiled per device), `algo_cache` (search
+//!    results on disk), `side_kernels` (the stream gate's kernels);
+//! 3. buffers and order: `buffers` (held and kept device buffers), `graphs` (GEMM calls
+//!    replayed as CUDA graphs), `queued` (per-stream lanes; all our work queued behind
+//!    burn's kernels: library calls, our kernels, failures), `launch` (CubeCL kernel
+//!    launches);
+//! 4. device: `state` (per-device state), `memory` (allocations checked against free
+//!    memory);
+//! 5. operations: `gemm` (the two library GEMMs behind one trait), `pipeline` (the one
+//!    forward: quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once),
+//!    `attention` (flash attention), `block_steps` (RMSNorm, SiLU-gated product, RoPE and
+//!    the cache write), `nccl_ranks` and `burn_ranks` (tensor-parallel collectives);
+//! 6. benchmark tools: `gate` (a stream gate), `profiler` (profiler ranges).
 
 /// Declares modules that are private, or public (doc-hidden) with the `internals` feature
 /// that the project's own GPU tests and benchmarks use.
@@ -99,13 +105,13 @@ pub mod config;
 internal_modules!(
     accumulator,
     attention,
+    block_steps,
     algo_cache,
     buffers,
     burn_ranks,
     cublaslt,
     cupti,
     cusparselt,
-    device_thread,
     driver,
     gate,
     gemm,
@@ -114,10 +120,11 @@ internal_modules!(
     memory,
     nccl,
     nccl_ranks,
-    ordering,
+    nvrtc_module,
     pipeline,
     prepare,
     profiler,
+    queued,
     runtime,
     side_kernels,
     state,

@@ -3,8 +3,9 @@
 //!
 //! One process drives every rank (single controller). Each rank's call is queued on
 //! **cubecl's device thread of that rank's GPU**, behind the launches queued before it, and
-//! enqueued there on burn's stream of the calling thread (found once per device and thread,
-//! as for the GEMMs: `ordering.rs`). So every NCCL kernel sits in its stream exactly where
+//! enqueued there on burn's stream of the calling cubecl stream (found once per device and
+//! stream by the device's lanes, as for the GEMMs: `queued`). So every NCCL kernel sits in
+//! its stream exactly where
 //! the collective stands in the program, and nothing waits on the host: the caller returns
 //! once every rank's call is queued.
 //!
@@ -17,17 +18,17 @@
 //! streams) is checked for **all** ranks before the first call is queued: a collective
 //! queued on some ranks and not others would leave those ranks' kernels waiting forever.
 //! A call that still fails on a device thread cannot reach the caller: its output is
-//! NaN-filled where it could be resolved, and with more than one rank every communicator is
-//! aborted at once (`ncclCommAbort`), so that the peers' kernels, which would wait forever
-//! for the missing call, end. The next collective returns the error, and every later one
-//! says the ranks were aborted.
+//! NaN-filled where it could be resolved, its error goes to the cubecl stream that queued it
+//! (`crate::deferred`: that stream's next call returns it), and with more than one rank
+//! every communicator is aborted at once (`ncclCommAbort`), so that the peers' kernels,
+//! which would wait forever for the missing call, end. Every later collective, on any
+//! thread, says the ranks were aborted and why.
 //!
 //! Collectives from several threads are queued one at a time (a lock): each rank must see
 //! the collectives in the same order, or NCCL pairs one thread's call on rank 0 with
 //! another's on rank 1.
 
 use std::{
-    collections::HashMap,
     ffi::c_int,
     sync::{Arc, Mutex, RwLock},
 };
@@ -48,15 +49,14 @@ use super::{
     config::config,
     driver::{cuda_device, device_count},
     nccl::{Comm, Nccl, data_type, op},
-    ordering::probe_burn_stream,
-    runtime::{Client, CudaBackend, Runtime},
+    queued::{Lanes, lanes, queue_task},
+    runtime::{Client, CudaBackend, Runtime, Server},
 };
 use crate::{
-    error::{Result, SlideSparseError},
     collective::Collective,
+    deferred,
+    error::{Result, SlideSparseError},
 };
-
-type Server = <Runtime as cubecl::Runtime>::Server;
 
 /// The oldest NCCL accepted: every entry point bound here is older, but older versions
 /// are untested here (the GPU hosts' pip wheels ship newer ones).
@@ -67,37 +67,34 @@ const MIN_VERSION: i32 = 21800;
 pub struct NcclRanks {
     ranks: Vec<Rank>,
     health: Arc<Health>,
-    /// burn's stream of each rank's device, by rank and cubecl stream (calling thread).
-    streams: Mutex<HashMap<(usize, StreamId), usize>>,
     /// Held while a collective is queued on every rank (same order on every rank).
     queueing: Mutex<()>,
 }
 
-/// One rank: its device, its communicator and the queue of the device's cubecl thread.
+/// One rank: its device, its communicator, the queue of the device's cubecl thread and
+/// the device's lanes (burn's stream of each cubecl stream).
 struct Rank {
     device: usize,
     comm: Comm,
     client: Client,
     queue: DeviceHandle<Server>,
+    lanes: Arc<Mutex<Lanes>>,
 }
 
-/// What the device threads share: the library, every communicator (to abort them all), the
-/// first failure.
+/// What the device threads share: the library and every communicator (to abort them all).
 struct Health {
     nccl: Arc<Nccl>,
     /// Every rank's communicator, as integers.
     comms: Vec<usize>,
-    /// The error of a call that failed on a device thread, until the next collective.
-    failure: Mutex<Option<SlideSparseError>>,
     /// Why the communicators were aborted, once they were. Calls hold the read side while
     /// they call NCCL; the abort takes the write side.
     aborted: RwLock<Option<String>>,
 }
 
 impl Health {
-    /// Records a failed call; with peers, aborts every communicator (once) so that no
-    /// kernel waits for the call that did not happen.
-    fn fail(&self, error: SlideSparseError) {
+    /// After a failed call: with peers, aborts every communicator (once) so that no kernel
+    /// waits for the call that did not happen.
+    fn abort_peers(&self, error: &SlideSparseError) {
         if self.comms.len() > 1 {
             let mut aborted = self.aborted.write().unwrap_or_else(|e| e.into_inner());
             if aborted.is_none() {
@@ -109,14 +106,13 @@ impl Health {
                 *aborted = Some(error.to_string());
             }
         }
-        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-        failure.get_or_insert(error);
     }
 }
 
 // SAFETY: a communicator is only used by tasks on its own device's cubecl thread, which
 // runs them one at a time (and by `Drop`, through the same queue), or aborted through
-// `Health::fail`, which NCCL allows from any thread; the other fields are thread-safe.
+// `Health::abort_peers`, which NCCL allows from any thread; the other fields are
+// thread-safe.
 unsafe impl Send for NcclRanks {}
 // SAFETY: as above; `&self` methods queue tasks under the `queueing` lock (one collective
 // at a time, the same order on every rank) and lock the other mutexes.
@@ -194,7 +190,6 @@ impl NcclRanks {
         let health = Arc::new(Health {
             nccl: Arc::new(nccl),
             comms: comms.iter().map(|&c| c as usize).collect(),
-            failure: Mutex::default(),
             aborted: RwLock::default(),
         });
         let ranks = devices
@@ -202,20 +197,20 @@ impl NcclRanks {
             .zip(comms)
             .map(|(&index, comm)| {
                 let device = CudaDevice { index };
-                Rank {
+                Ok(Rank {
                     device: index,
                     comm,
                     // The client first: it makes sure the device's runner is cubecl-cuda's
                     // own before the queue attaches to it.
                     client: Runtime::client(&device),
                     queue: DeviceHandle::new(device.to_id()),
-                }
+                    lanes: lanes(index)?,
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(Self {
             ranks,
             health,
-            streams: Mutex::default(),
             queueing: Mutex::default(),
         })
     }
@@ -225,39 +220,28 @@ impl NcclRanks {
         self.ranks.iter().map(|r| r.device).collect()
     }
 
-    /// burn's stream on `rank`'s device for the calling thread, found once.
+    /// burn's stream on `rank`'s device for the current cubecl stream (its lane's, probed
+    /// once).
     fn burn_stream(&self, rank: usize) -> Result<usize> {
-        let key = (rank, StreamId::current());
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&stream) = streams.get(&key) {
-            return Ok(stream);
-        }
-        let stream = probe_burn_stream(&self.ranks[rank].client).map_err(|e| {
-            SlideSparseError::Unsupported {
+        let rank = &self.ranks[rank];
+        let mut lanes = rank.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        match lanes.current().burn_stream(&rank.client) {
+            Ok(stream) => Ok(stream as usize),
+            Err(e) => Err(SlideSparseError::Unsupported {
                 what: "NCCL collective".into(),
                 why: format!(
                     "burn's stream on CUDA device {} could not be found ({e}); the \
                      collectives are ordered on it and need CUPTI",
-                    self.ranks[rank].device
+                    rank.device
                 ),
-            }
-        })? as usize;
-        streams.insert(key, stream);
-        Ok(stream)
+            }),
+        }
     }
 
-    /// The error of an earlier call that failed on a device thread (reported once), or,
-    /// after that, that the communicators were aborted.
+    /// The failure of work queued earlier on the current cubecl stream (reported once,
+    /// `crate::deferred`), or that the communicators were aborted.
     fn take_failures(&self) -> Result<()> {
-        let failure = self
-            .health
-            .failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(error) = failure {
-            return Err(error);
-        }
+        deferred::take_current()?;
         match &*self
             .health
             .aborted
@@ -338,10 +322,10 @@ impl NcclRanks {
             comm: self.ranks[rank].comm,
         };
         let health = self.health.clone();
-        self.ranks[rank].queue.submit(move |server: &mut Server| {
-            if let Err(error) = queued.run(&health, server) {
-                health.fail(error);
-            }
+        queue_task(&self.ranks[rank].queue, move |server| {
+            queued
+                .run(&health, server)
+                .inspect_err(|error| health.abort_peers(error))
         });
         output
     }
@@ -419,14 +403,17 @@ impl NcclRanks {
     }
 
     /// Aborts every rank's communicator (once), so that no peer's kernel waits for a call
-    /// a rank will not make; later calls are refused. For programs driving each rank from
-    /// its own thread ([`all_reduce_sum_rank`](Self::all_reduce_sum_rank)) when a rank's
-    /// step fails before its call.
+    /// a rank will not make; later calls are refused (with one rank, nothing waits: the
+    /// calling stream's next call reports `why`). For programs driving each rank from its
+    /// own thread ([`all_reduce_sum_rank`](Self::all_reduce_sum_rank)) when a rank's step
+    /// fails before its call.
     pub fn abort(&self, why: &str) {
-        self.health.fail(SlideSparseError::Unsupported {
+        let error = SlideSparseError::Unsupported {
             what: "NCCL collective".into(),
             why: format!("a rank stopped before its call: {why}"),
-        });
+        };
+        self.health.abort_peers(&error);
+        deferred::record_current(error);
     }
 }
 

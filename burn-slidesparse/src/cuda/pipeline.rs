@@ -26,6 +26,7 @@ use super::{
     state::DeviceState,
 };
 use crate::{
+    deferred,
     error::{Result, SlideSparseError},
     weight_quant::Precision,
 };
@@ -91,7 +92,12 @@ impl<G: LayerGemm> GpuLayer<G> {
     /// The float type is the tensor's own dtype, not the backend's: burn 0.21 keeps a
     /// per-device default dtype, so a tensor of an f32 backend can be bf16 once a bf16
     /// backend has used the same device.
+    ///
+    /// Errors: first, the failure of work queued earlier on this cubecl stream that has not
+    /// been reported (`SlideSparseError::Deferred`, see `crate::deferred`); then the
+    /// forward's own.
     pub fn forward(&self, x: &CubeTensor<Runtime>) -> Result<CubeTensor<Runtime>> {
+        deferred::take_current()?;
         let x = into_contiguous(x.clone());
         let (m, k) = (x.meta.shape()[0], x.meta.shape()[1]);
         let q = self.quant;
@@ -172,9 +178,10 @@ impl<G: LayerGemm> GpuLayer<G> {
             || format!("{} forward of {m} tokens", G::LAYER),
         )?;
         let scratch = {
-            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
-            state.lanes.current()?.scratch.for_forward(client, scratch_sizes)?
+            let mut lanes = state.lanes.lock().unwrap_or_else(|e| e.into_inner());
+            lanes.current().scratch.for_forward(client, scratch_sizes)?
         };
         Ok((scratch, client.empty(out_bytes)))
     }

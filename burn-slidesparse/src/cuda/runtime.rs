@@ -1,6 +1,11 @@
 //! The cubecl side of the CUDA path: the runtime, client and backend types, device pointers
 //! of cubecl allocations, and the one blocking wait on burn's stream.
 
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
 use cubecl::{prelude::*, server::Handle};
 
 use crate::error::{Result, SlideSparseError};
@@ -10,6 +15,38 @@ pub type Runtime = cubecl::cuda::CudaRuntime;
 
 /// A compute client of [`Runtime`]: burn's handle to one device.
 pub type Client = ComputeClient<Runtime>;
+
+/// cubecl-cuda's server, what a task queued on a device thread is given.
+pub type Server = <Runtime as cubecl::Runtime>::Server;
+
+/// A value per CUDA device, built on first use and shared for the life of the process.
+pub struct PerDevice<T>(Mutex<Option<HashMap<usize, Arc<T>>>>);
+
+impl<T> PerDevice<T> {
+    /// No device's value yet.
+    pub const fn new() -> Self {
+        Self(Mutex::new(None))
+    }
+
+    /// Device `index`'s value, built with `init` on first use (under the lock: one build per
+    /// device).
+    pub fn get_or_try_init(&self, index: usize, init: impl FnOnce() -> Result<T>) -> Result<Arc<T>> {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let all = all.get_or_insert_with(HashMap::new);
+        if let Some(value) = all.get(&index) {
+            return Ok(value.clone());
+        }
+        let value = Arc::new(init()?);
+        all.insert(index, value.clone());
+        Ok(value)
+    }
+
+    /// Device `index`'s value if it was built.
+    pub fn get(&self, index: usize) -> Option<Arc<T>> {
+        let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.as_ref()?.get(&index).cloned()
+    }
+}
 
 /// A cubecl failure as a typed error.
 pub(crate) fn cubecl_err(what: &'static str) -> impl Fn(&dyn std::fmt::Debug) -> SlideSparseError {

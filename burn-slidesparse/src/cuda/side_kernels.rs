@@ -1,42 +1,34 @@
-//! Two tiny CUDA kernels for streams that CubeCL does not launch on, compiled once with
-//! NVRTC: a spin wait on a device flag and a flag store. The stream gate (`gate.rs`) closes
-//! burn's stream with the spin and opens it with the store from a stream of ours.
+//! Two tiny CUDA kernels for the benchmarks' stream gate (`gate.rs`; `kernels/stream_gate.cu`,
+//! compiled with NVRTC once per gate): a spin wait on a device flag and a flag store. The gate
+//! closes burn's stream with the spin and opens it with the store from a stream of ours.
 //!
 //! They are kernels because the driver's stream memory operations (`cuStreamWaitValue32`)
 //! reject cubecl's memory (it comes from the stream-ordered allocator:
 //! `CUDA_ERROR_INVALID_VALUE`, seen on the H200 host).
 
-use std::ffi::{CString, c_void};
+use std::ffi::c_void;
 
 use cudarc::driver::{result as cu, sys};
 
+use super::nvrtc_module::{LoadedProgram, Program};
 use crate::error::{Result, SlideSparseError};
 
-const SOURCE: &str = r#"
-extern "C" __global__ void slidesparse_wait(const volatile unsigned int* flag, unsigned int epoch,
-                                            unsigned int* timed_out, unsigned int max_spins) {
-    unsigned int spins = 0;
-    while (*flag < epoch) {
-        if (++spins >= max_spins) { *timed_out = epoch; return; }
-        __nanosleep(64);
-    }
-    __threadfence();
-}
-extern "C" __global__ void slidesparse_signal(volatile unsigned int* flag, unsigned int epoch) {
-    __threadfence_system();
-    *flag = epoch;
-}
-"#;
+/// The gate's kernels (`__nanosleep` needs sm_70).
+const PROGRAM: Program = Program {
+    name: "stream gate",
+    files: &["stream_gate.cu"],
+    min_capability: (7, 0),
+};
 
 /// The compiled kernels.
 pub struct SideKernels {
-    _module: sys::CUmodule,
+    _program: LoadedProgram,
     wait: sys::CUfunction,
     signal: sys::CUfunction,
 }
 
-// SAFETY: module and function handles are immutable after loading and used under the device
-// state's mutex.
+// SAFETY: function handles of a loaded module, immutable after loading and used under the
+// device state's mutex.
 unsafe impl Send for SideKernels {}
 
 fn err(call: &'static str, e: impl std::fmt::Debug) -> SlideSparseError {
@@ -47,24 +39,15 @@ fn err(call: &'static str, e: impl std::fmt::Debug) -> SlideSparseError {
 }
 
 impl SideKernels {
-    /// Compiles and loads the kernels in the current context.
-    pub fn new() -> Result<Self> {
-        // NVRTC's default architecture (sm_75 in CUDA 13) is enough (`__nanosleep` needs
-        // sm_70); the driver JIT-compiles the PTX for the GPU at hand.
-        let ptx = cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| err("NVRTC", e))?;
-        let image = CString::new(ptx.to_src()).map_err(|e| err("PTX", e))?;
-        // SAFETY: `image` is a NUL-terminated PTX string; the context is current.
-        unsafe {
-            let module = cu::module::load_data(image.as_ptr() as *const c_void)
-                .map_err(|e| err("cuModuleLoadData", e))?;
-            let get =
-                |name: &str| cu::module::get_function(module, CString::new(name).expect("no NUL"));
-            Ok(Self {
-                wait: get("slidesparse_wait").map_err(|e| err("cuModuleGetFunction", e))?,
-                signal: get("slidesparse_signal").map_err(|e| err("cuModuleGetFunction", e))?,
-                _module: module,
-            })
-        }
+    /// Compiles and loads the kernels for device `index` (its context made current on this
+    /// thread).
+    pub fn new(index: usize) -> Result<Self> {
+        let program = LoadedProgram::load(index, &PROGRAM)?;
+        Ok(Self {
+            wait: program.function("slidesparse_wait", 0)?,
+            signal: program.function("slidesparse_signal", 0)?,
+            _program: program,
+        })
     }
 
     /// Enqueues on `stream` a wait until `*flag >= epoch` (or `max_spins` polls, recording

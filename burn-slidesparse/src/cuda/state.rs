@@ -1,14 +1,13 @@
 //! Per-device GPU state: the context, a stream of ours, the cuSPARSELt handle, the plan and
-//! algorithm caches, the cuBLASLt baseline, the per-thread lanes and the settings forwards
+//! algorithm caches, the cuBLASLt baseline, the device's lanes and the settings forwards
 //! run under. One per device, behind a mutex: cuSPARSELt calls on a handle are serialized
-//! through it.
+//! through it (a forward locks the state, then the lanes).
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex},
 };
 
-use cubecl::stream_id::StreamId;
 use cudarc::driver::sys;
 
 use super::{
@@ -17,7 +16,8 @@ use super::{
     cublaslt::CublasLt,
     cusparselt::{GemmShape, LtHandle, SparsePlan},
     driver::{self, Context, create_stream, cuda_device},
-    ordering::Lanes,
+    queued::{Lanes, lanes},
+    runtime::PerDevice,
 };
 use crate::error::Result;
 
@@ -26,7 +26,7 @@ pub struct DeviceState {
     /// The device's primary context (cubecl's).
     pub context: Context,
     /// A stream of ours for one-off work (weight compression, algorithm search,
-    /// benchmarks); forwards use per-thread lanes (`ordering.rs`).
+    /// benchmarks); forwards use per-stream lanes (`queued`).
     pub stream: sys::CUstream,
     /// The cuSPARSELt handle.
     pub lt: LtHandle,
@@ -36,8 +36,8 @@ pub struct DeviceState {
     algos: AlgoCache,
     /// cuBLASLt for the dense baseline, created on first use (`dense_gemm`).
     dense: Option<CublasLt>,
-    /// Per-thread streams, buffers and graphs.
-    pub lanes: Lanes,
+    /// The device's lanes: per cubecl stream, its streams, kept buffers and graphs.
+    pub lanes: Arc<Mutex<Lanes>>,
     settings: Settings,
 }
 
@@ -60,7 +60,7 @@ impl DeviceState {
             plans: HashMap::new(),
             algos: AlgoCache::open(config),
             dense: None,
-            lanes: Lanes::new(index, retire_lane),
+            lanes: lanes(index)?,
             settings: config.settings,
         })
     }
@@ -136,45 +136,20 @@ impl DeviceState {
     /// three).
     pub(crate) fn parts(
         &mut self,
-    ) -> (&LtHandle, &mut HashMap<GemmShape, SparsePlan>, &mut Lanes, Option<&mut CublasLt>) {
-        (&self.lt, &mut self.plans, &mut self.lanes, self.dense.as_mut())
+    ) -> (
+        &LtHandle,
+        &mut HashMap<GemmShape, SparsePlan>,
+        &Mutex<Lanes>,
+        Option<&mut CublasLt>,
+    ) {
+        (&self.lt, &mut self.plans, &self.lanes, self.dense.as_mut())
     }
 }
-
-type States = Mutex<HashMap<usize, Arc<Mutex<DeviceState>>>>;
-
-static STATES: OnceLock<States> = OnceLock::new();
 
 /// The state of device `index`, created on first use.
 pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
-    let mut states = STATES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some(s) = states.get(&index) {
-        return Ok(s.clone());
-    }
-    let state = Arc::new(Mutex::new(DeviceState::new(index)?));
-    states.insert(index, state.clone());
-    Ok(state)
-}
-
-/// Retires `stream`'s lane on device `index` (its thread ended; [`Lanes::retire`]). Runs in
-/// a thread-local destructor: it only takes the two locks and moves the lane.
-fn retire_lane(index: usize, stream: StreamId) {
-    let Some(states) = STATES.get() else { return };
-    let state = states
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&index)
-        .cloned();
-    if let Some(state) = state {
-        state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .lanes
-            .retire(stream);
-    }
+    static STATES: PerDevice<Mutex<DeviceState>> = PerDevice::new();
+    STATES.get_or_try_init(index, || DeviceState::new(index).map(Mutex::new))
 }
 
 /// Changes the settings of device `index`'s forwards with `change` (tests and benchmarks

@@ -1,22 +1,98 @@
-//! The host side of `block.cu`: RMSNorm with the residual add, the SiLU-gated product, and
-//! RoPE with the KV-cache write followed by the attention, on cubecl-cuda tensors. Each call
-//! checks the shapes, allocates its outputs from cubecl's pool and queues one launch (RoPE:
-//! two calls, then the attention's) in burn's stream order like the attention (`submit`).
+//! The steps of a transformer block between its linears, on cubecl-cuda tensors: RMSNorm
+//! with the residual add (`kernels/rms_norm.cu`), the SiLU-gated product
+//! (`kernels/silu_mul.cu`), and RoPE with the KV-cache write (`kernels/rope_cache.cu`)
+//! followed by the attention. Each call checks the shapes, allocates its outputs from
+//! cubecl's pool and submits one launch in burn's stream order (`queued::submit`; RoPE: its
+//! launch, then the attention's). A launch that fails on cubecl's device thread NaN-fills the
+//! outputs and is reported by the calling stream's next call (`crate::deferred`).
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::server::Handle;
+use cudarc::driver::sys;
 
-use super::{Call, Launch, Runtime, device_kernels, submit, take_failure};
+use super::{
+    attention::causal_attention,
+    nvrtc_module::{LoadedProgram, Program},
+    queued::{Call, Launch, Lanes, lanes, submit},
+    runtime::{PerDevice, Runtime},
+};
 use crate::{
     attention_shape::qkv_head_dim,
+    deferred,
     error::{Result, SlideSparseError},
 };
 
-/// Threads of an RMSNorm CTA (`NORM_THREADS` in `block.cu`).
+/// The block steps' program.
+const PROGRAM: Program = Program {
+    name: "block step",
+    files: &["rms_norm.cu", "silu_mul.cu", "rope_cache.cu"],
+    min_capability: (8, 0),
+};
+
+/// The kernels of one dtype.
+#[derive(Clone, Copy)]
+struct Functions {
+    rms_norm: sys::CUfunction,
+    silu_mul: sys::CUfunction,
+    rope_cache: sys::CUfunction,
+}
+
+/// The block steps' kernels of one device.
+struct Kernels {
+    /// By bf16.
+    functions: HashMap<bool, Functions>,
+    /// Streaming multiprocessors: the SiLU kernel's grid is capped at a few waves of them.
+    sm_count: usize,
+    /// The device's lanes, which order the launches.
+    lanes: Arc<Mutex<Lanes>>,
+}
+
+// SAFETY: function handles of a program loaded for the process, immutable after loading;
+// launches use them with the device's context current.
+unsafe impl Send for Kernels {}
+// SAFETY: as above.
+unsafe impl Sync for Kernels {}
+
+/// The kernels of device `index`, compiled on first use.
+fn kernels(index: usize) -> Result<Arc<Kernels>> {
+    static KERNELS: PerDevice<Kernels> = PerDevice::new();
+    KERNELS.get_or_try_init(index, || {
+        let program = LoadedProgram::load(index, &PROGRAM)?;
+        let mut functions = HashMap::new();
+        for (bf16, name) in [(true, "bf16"), (false, "f16")] {
+            let function = |kernel: &str| program.function(&format!("{kernel}_{name}"), 0);
+            let of_dtype = Functions {
+                rms_norm: function("rms_norm")?,
+                silu_mul: function("silu_mul")?,
+                rope_cache: function("rope_cache")?,
+            };
+            functions.insert(bf16, of_dtype);
+        }
+        Ok(Kernels {
+            functions,
+            sm_count: program.info.sm_count,
+            lanes: lanes(index)?,
+        })
+    })
+}
+
+/// Compiles and loads the kernels of device `index` if they are not yet (a fused operation
+/// does this before it is queued, so that its execution has nothing left to fail on but the
+/// launches).
+pub fn prepare(index: usize) -> Result<()> {
+    kernels(index).map(|_| ())
+}
+
+/// Threads of an RMSNorm CTA (`NORM_THREADS` in `kernels/rms_norm.cu`).
 const NORM_THREADS: u32 = 256;
 
-/// Must match `NormParams` in `block.cu`.
+/// Must match `NormParams` in `kernels/rms_norm.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct NormParams {
@@ -30,7 +106,7 @@ struct NormParams {
     eps: f32,
 }
 
-/// Must match `GateParams` in `block.cu`.
+/// Must match `GateParams` in `kernels/silu_mul.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct GateParams {
@@ -40,7 +116,7 @@ struct GateParams {
     width: i32,
 }
 
-/// Must match `RopeParams` in `block.cu`.
+/// Must match `RopeParams` in `kernels/rope_cache.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct RopeParams {
@@ -130,7 +206,7 @@ pub fn rms_norm(
     gamma: Tensor,
     eps: f64,
 ) -> Result<(Option<Tensor>, Tensor)> {
-    take_failure()?;
+    deferred::take_current()?;
     let mut inputs = vec![&x, &gamma];
     inputs.extend(delta.as_ref());
     let bf16 = sixteen_bit("fused RMSNorm", &inputs)?;
@@ -156,13 +232,13 @@ pub fn rms_norm(
     let rows = too_large("fused RMSNorm rows", len / width)?;
     let width_i32 = too_large("fused RMSNorm width", width)?;
     let index = x.device.index;
-    let kernels = device_kernels(index)?;
+    let kernels = kernels(index)?;
     let client = x.client.clone();
     let (x, gamma, delta) = (contiguous(x), contiguous(gamma), delta.map(contiguous));
     let out = client.empty(len * 2);
     let sum = delta.as_ref().map(|_| client.empty(len * 2));
     let launch = Launch {
-        function: kernels.block[&bf16].rms_norm,
+        function: kernels.functions[&bf16].rms_norm,
         grid: (rows as u32, 1, 1),
         block: NORM_THREADS,
         smem: 0,
@@ -181,7 +257,7 @@ pub fn rms_norm(
         out: out.clone(),
         len,
     };
-    submit(&client, &kernels, index, params, vec![launch], call)?;
+    submit(&kernels.lanes, &client, params, vec![launch], call)?;
     let wrap = |h| Tensor::new_contiguous(client.clone(), x.device.clone(), shape.clone(), h, x.dtype);
     Ok((sum.map(wrap), wrap(out)))
 }
@@ -213,7 +289,7 @@ impl Call for GateCall {
 
 /// `silu(gate) * up` of `x [.., 2 * f] = [gate | up]`: `[.., f]`.
 pub fn silu_mul(x: Tensor) -> Result<Tensor> {
-    take_failure()?;
+    deferred::take_current()?;
     let bf16 = sixteen_bit("fused SiLU-gated product", &[&x])?;
     let mut shape = x.meta.shape().clone();
     let last = shape.num_dims() - 1;
@@ -229,14 +305,14 @@ pub fn silu_mul(x: Tensor) -> Result<Tensor> {
     shape[last] = width;
     let len = shape.num_elements();
     let index = x.device.index;
-    let kernels = device_kernels(index)?;
+    let kernels = kernels(index)?;
     let client = x.client.clone();
     let x = contiguous(x);
     let out = client.empty(len * 2);
     let threads = 256;
     let blocks = len.div_ceil(threads).clamp(1, 8 * kernels.sm_count);
     let launch = Launch {
-        function: kernels.block[&bf16].silu_mul,
+        function: kernels.functions[&bf16].silu_mul,
         grid: (blocks as u32, 1, 1),
         block: threads as u32,
         smem: 0,
@@ -251,7 +327,7 @@ pub fn silu_mul(x: Tensor) -> Result<Tensor> {
         out: out.clone(),
         len,
     };
-    submit(&client, &kernels, index, params, vec![launch], call)?;
+    submit(&kernels.lanes, &client, params, vec![launch], call)?;
     Ok(Tensor::new_contiguous(client, x.device.clone(), shape, out, x.dtype))
 }
 
@@ -349,19 +425,19 @@ pub fn rope_attention(
     heads: (usize, usize),
     scale: Option<f32>,
 ) -> Result<Tensor> {
-    take_failure()?;
+    deferred::take_current()?;
     let bf16 = sixteen_bit("fused RoPE + cache write", &[&qkv, &table, &keys, &values])?;
     let [batch, t, d, capacity] = rope_shape(&qkv, &table, [&keys, &values], start, heads)?;
     let (hq, hkv) = heads;
     let index = qkv.device.index;
-    let kernels = device_kernels(index)?;
+    let kernels = kernels(index)?;
     let client = qkv.client.clone();
     let qkv = contiguous(qkv);
     let table_strides = table_strides(&table);
     let q_len = batch * t * hq * d;
     let q = client.empty(q_len * 2);
     let launch = Launch {
-        function: kernels.block[&bf16].rope_cache,
+        function: kernels.functions[&bf16].rope_cache,
         grid: (
             too_large("fused RoPE tokens", batch * t)? as u32,
             (hq + 2 * hkv) as u32,
@@ -389,10 +465,10 @@ pub fn rope_attention(
         v: values.handle.clone(),
         q_len,
     };
-    submit(&client, &kernels, index, params, vec![launch], call)?;
+    submit(&kernels.lanes, &client, params, vec![launch], call)?;
     let device = qkv.device.clone();
     let q = Tensor::new_contiguous(client.clone(), device.clone(), Shape::new([batch, t, hq, d]), q, qkv.dtype);
-    let out = super::causal_attention(q, keys, values, Some(start + t), scale)?;
+    let out = causal_attention(q, keys, values, Some(start + t), scale)?;
     Ok(Tensor::new_contiguous(
         client,
         device,

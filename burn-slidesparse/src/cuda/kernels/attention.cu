@@ -10,12 +10,9 @@
 // shared memory with ldmatrix, tiles brought in with cp.async (double-buffered), softmax online
 // in base 2 (scores pre-multiplied by log2(e) * scale), P kept in registers.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-typedef long long i64;
+#include "common.cuh"
 
-// Must match `Params` in attention/mod.rs (repr(C)).
+// Must match `Params` in attention.rs (repr(C)).
 struct Params {
     u64 q, k, v, o;
     u64 partial;  // decode with several splits: f32 [splits][rows][D], rows = batch * tq * hq
@@ -68,22 +65,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u3
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
-}
-
-// Two floats as two 16-bit values in one register, `lo` at the lower address.
-template <bool BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    if (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    }
-    return r;
-}
-template <bool BF16>
-__device__ __forceinline__ u16 to16(float x) {
-    return (u16)(pack2<BF16>(x, 0.f) & 0xffffu);
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -479,23 +460,6 @@ __device__ __forceinline__ void decode(const Params& p) {
             if (d == 0) ((float*)p.lse)[(i64)split * n_rows + orow] = l > 0.f ? mx + __log2f(l) : NEG_INF;
         }
     }
-}
-
-// Block-wide max or sum over N threads (N / 32 warps); `red` holds N / 32 floats.
-template <int N, bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float x = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, x) : v + x;
-    }
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = red[0];
-#pragma unroll
-    for (int w = 1; w < N / 32; ++w) v = MAX ? fmaxf(v, red[w]) : v + red[w];
-    __syncthreads();
-    return v;
 }
 
 // Merges the splits of decode: one CTA of D threads per output row. The split weights are

@@ -1,18 +1,10 @@
-// The other steps of a transformer block, compiled with the attention kernels (same module,
-// same helpers): RMSNorm with the residual add, the SiLU-gated product, and RoPE with the KV
-// cache write. Each replaces a chain of burn operations (one launch where burn queues 3-17),
-// which is what bounds decode on the host. 16-bit elements (bf16 or f16), f32 arithmetic,
-// one rounding per output.
+// RMSNorm over a row, after the residual add when one is given: one launch where burn's
+// `RmsNorm` (and the add before it) queues several, which is what bounds decode on the host.
+// 16-bit elements (bf16 or f16), f32 arithmetic, one rounding per output.
 
-template <bool BF16>
-__device__ __forceinline__ float from16(u16 x) {
-    if (BF16) return __uint_as_float((u32)x << 16);
-    float f;
-    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
-    return f;
-}
+#include "common.cuh"
 
-// Must match `NormParams` in attention/block.rs (repr(C)).
+// Must match `NormParams` in block_steps.rs (repr(C)).
 struct NormParams {
     u64 x, delta, gamma;  // x, delta [rows, width] (delta 0: none), gamma [width]
     u64 sum, out;         // sum = x + delta [rows, width] (written when delta is given), out
@@ -130,71 +122,10 @@ __device__ __forceinline__ void rms_norm(const NormParams& p) {
         out[i] = to16<BF16>(from16<BF16>(h[i]) * r * from16<BF16>(gamma[i]));
 }
 
-// Must match `GateParams` in attention/block.rs (repr(C)).
-struct GateParams {
-    u64 x, out;  // x [rows, 2 * width] = [gate | up], out [rows, width]
-    i64 rows;
-    int width;
-};
-
-// out = silu(gate) * up, grid-stride over the outputs.
-template <bool BF16>
-__device__ __forceinline__ void silu_mul(const GateParams& p) {
-    const i64 n = p.rows * p.width;
-    const u16* x = (const u16*)p.x;
-    u16* out = (u16*)p.out;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const i64 r = i / p.width;
-        const i64 c = i - r * p.width;
-        const float g = from16<BF16>(x[r * 2 * p.width + c]);
-        const float u = from16<BF16>(x[r * 2 * p.width + p.width + c]);
-        out[i] = to16<BF16>(g / (1.f + __expf(-g)) * u);
-    }
-}
-
-// Must match `RopeParams` in attention/block.rs (repr(C)).
-struct RopeParams {
-    u64 qkv;    // [batch * t, (hq + 2 * hkv) * d]: q heads, k heads, v heads
-    u64 table;  // burn's RotaryEncoding table [max_len, d, (cos, sin)], 16-bit, strided
-    u64 q;      // out: [batch, t, hq, d]
-    u64 k, v;   // caches [batch, capacity, hkv, d], written at positions start..start + t
-    int batch, t, hq, hkv, d, start, capacity;
-    i64 table_strides[3];  // in elements: position, element j < d (read at j = 2i), cos/sin
-};
-
-// One CTA per (token, head), one thread per pair (2i, 2i + 1): q and k heads rotated
-// (out[2i] = a cos - b sin, out[2i+1] = a sin + b cos, burn's `RotaryEncoding::apply`), q
-// heads written to `q`, k and v heads into the caches at the token's position.
-template <bool BF16>
-__device__ __forceinline__ void rope_cache(const RopeParams& p) {
-    const int row = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
-    const int b = row / p.t, pos = p.start + (row - b * p.t);
-    const int heads = p.hq + 2 * p.hkv;
-    const u32 pair = ((const u32*)((const u16*)p.qkv + ((i64)row * heads + h) * p.d))[i];
-    u32 value = pair;
-    if (h < p.hq + p.hkv) {
-        const u16* cs = (const u16*)p.table + (i64)pos * p.table_strides[0] + (i64)(2 * i) * p.table_strides[1];
-        const float c = from16<BF16>(cs[0]), s = from16<BF16>(cs[p.table_strides[2]]);
-        const float a = from16<BF16>((u16)(pair & 0xffffu)), bb = from16<BF16>((u16)(pair >> 16));
-        value = pack2<BF16>(a * c - bb * s, a * s + bb * c);
-    }
-    u16* dst;
-    if (h < p.hq) {
-        dst = (u16*)p.q + ((i64)row * p.hq + h) * p.d;
-    } else {
-        const bool is_k = h < p.hq + p.hkv;
-        const int kvh = is_k ? h - p.hq : h - p.hq - p.hkv;
-        dst = (u16*)(is_k ? p.k : p.v) + (((i64)b * p.capacity + pos) * p.hkv + kvh) * p.d;
-    }
-    ((u32*)dst)[i] = value;
-}
-
-#define INSTANTIATE_BLOCK(NAME, BF16)                                                        \
+#define INSTANTIATE_RMS_NORM(NAME, BF16)                                                     \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm_##NAME(NormParams p) { \
         rms_norm<BF16>(p);                                                                   \
-    }                                                                                        \
-    extern "C" __global__ void silu_mul_##NAME(GateParams p) { silu_mul<BF16>(p); }          \
-    extern "C" __global__ void rope_cache_##NAME(RopeParams p) { rope_cache<BF16>(p); }
+    }
 
-INSTANTIATE_BLOCK(bf16, true)
-INSTANTIATE_BLOCK(f16, false)
+INSTANTIATE_RMS_NORM(bf16, true)
+INSTANTIATE_RMS_NORM(f16, false)
