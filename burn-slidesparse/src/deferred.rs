@@ -20,7 +20,7 @@
 
 use std::{
     cell::Cell,
-    collections::HashMap,
+    collections::{HashMap, hash_map::Entry},
     sync::{
         Mutex,
         atomic::{AtomicUsize, Ordering},
@@ -52,9 +52,8 @@ pub fn record(stream: StreamId, error: SlideSparseError) {
         other => other,
     };
     let mut failures = FAILURES.lock().unwrap_or_else(|e| e.into_inner());
-    let failures = failures.get_or_insert_with(HashMap::new);
-    if !failures.contains_key(&stream) {
-        failures.insert(stream, error);
+    if let Entry::Vacant(slot) = failures.get_or_insert_with(HashMap::new).entry(stream) {
+        slot.insert(error);
         PENDING.fetch_add(1, Ordering::Release);
     }
 }

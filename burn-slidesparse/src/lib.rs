@@ -17,6 +17,9 @@ mod collective;
 mod concat;
 #[cfg(feature = "cubecl")]
 mod cube;
+// Every path that queues work uses it: burn's fusion backend, and the CUDA path (which
+// enables `fusion`); its unit tests run in every build.
+#[cfg(any(test, feature = "fusion"))]
 mod deferred;
 mod error;
 mod files;

@@ -8,22 +8,23 @@ use cubecl::{
 };
 use cubecl_kernels::{
     epilogue::{EPILOGUE_CUBE_DIM, dequant_bias_kernel},
-    grouping::{group_output_len, grouped_layout, grouped_layout_with_units},
+    grouping::grouped_layout,
     quant_lift::{
         GroupedLayout, LiftMode, QUANT_CUBE_DIM, STAGE_BYTES, quant_lift_grouped_kernel,
         quant_lift_kernel,
     },
 };
+#[cfg(feature = "internals")]
+use cubecl_kernels::grouping::{group_output_len, grouped_layout_with_units};
 use half::{bf16, f16};
 
 use super::{
     accumulator::{AccType, Accumulator},
     runtime::{Client, Runtime},
 };
-use crate::{
-    error::{Result, SlideSparseError},
-    weight_quant::Precision,
-};
+#[cfg(feature = "internals")]
+use crate::error::SlideSparseError;
+use crate::{error::Result, weight_quant::Precision};
 
 
 fn lift_mode(precision: Precision) -> LiftMode {
@@ -88,11 +89,13 @@ pub enum QuantKernel {
     /// The grouped kernel where the shape allows, else the row-staged one (the forward's choice).
     Auto,
     /// Always the row-staged kernel: for tests and benchmarks that compare the two.
+    #[cfg(feature = "internals")]
     RowStaged,
     /// The grouped kernel with an explicit layout: `units` per cube (`None`: the default for
     /// the row), `rows_per_cube` rows per cube, whether a cube loads its next row ahead, and
     /// whether stores go through shared memory ([`GroupedLayout`]). Fails where the row does
-    /// not allow it.
+    /// not allow it. For tests and benchmarks.
+    #[cfg(feature = "internals")]
     Grouped {
         units: Option<u32>,
         rows_per_cube: usize,
@@ -105,60 +108,57 @@ pub enum QuantKernel {
 /// (several rows per cube) measured no faster on the H200 and needs twice the registers.
 pub const ROWS_PER_CUBE: usize = 1;
 /// Shared memory the grouped kernel may stage one round of stores in (bytes).
+#[cfg(feature = "internals")]
 const STAGED_STORE_BYTES: usize = 24 * 1024;
 
-/// The grouped kernel's layout and rows per cube for this launch, or `None` for the
-/// row-staged kernel.
-fn grouped_choice(
-    kernel: QuantKernel,
+/// The forward's choice: the grouped kernel in its default layout where the row allows it
+/// (with its rows per cube), or `None` for the row-staged kernel.
+fn auto_layout(k: usize, n: u32, input_bytes: usize) -> Option<(GroupedLayout, usize)> {
+    grouped_layout(k, n, input_bytes).map(|(units, per_unit)| {
+        let layout = GroupedLayout {
+            units: units as usize,
+            groups_per_unit: per_unit,
+            prefetch: false,
+            // Direct stores: since the 8-bit codes travel as packed words, staging the
+            // stores in shared memory measured 5% slower on the long rows and no faster
+            // on the short ones (H200, docs/decisions/quant-lift-kernel-layout.md).
+            staged_stores: false,
+        };
+        (layout, ROWS_PER_CUBE)
+    })
+}
+
+/// The grouped kernel's layout that [`QuantKernel::Grouped`] asks for (`units`, rows per
+/// cube, prefetch, staged stores), or why the row does not allow it.
+#[cfg(feature = "internals")]
+fn explicit_layout(
     k: usize,
     n: u32,
     (input_bytes, output_bytes): (usize, usize),
-) -> Result<Option<(GroupedLayout, usize)>> {
+    (units, rows_per_cube, prefetch, staged_stores): (Option<u32>, usize, bool, bool),
+) -> Result<(GroupedLayout, usize)> {
     let stage_bytes = |units: u32| units as usize * group_output_len(n) * output_bytes;
-    Ok(match kernel {
-        QuantKernel::RowStaged => None,
-        QuantKernel::Auto => grouped_layout(k, n, input_bytes).map(|(units, per_unit)| {
-            let layout = GroupedLayout {
-                units: units as usize,
-                groups_per_unit: per_unit,
-                prefetch: false,
-                // Direct stores: since the 8-bit codes travel as packed words, staging the
-                // stores in shared memory measured 5% slower on the long rows and no faster
-                // on the short ones (H200, docs/decisions/quant-lift-kernel-layout.md).
-                staged_stores: false,
-            };
-            (layout, ROWS_PER_CUBE)
-        }),
-        QuantKernel::Grouped {
-            units,
-            rows_per_cube,
-            prefetch,
-            staged_stores,
-        } => {
-            let layout = match units {
-                None => grouped_layout(k, n, input_bytes),
-                Some(u) => grouped_layout_with_units(k, n, input_bytes, u).map(|p| (u, p)),
-            };
-            let Some((units, per_unit)) = layout.filter(|&(u, _)| {
-                rows_per_cube >= 1 && (!staged_stores || stage_bytes(u) <= STAGED_STORE_BYTES)
-            }) else {
-                return Err(SlideSparseError::Unsupported {
-                    what: "the grouped quant kernel".into(),
-                    why: format!(
-                        "it cannot take K = {k} (n = {n}) with {units:?} units, {rows_per_cube} rows per cube, staged stores {staged_stores}"
-                    ),
-                });
-            };
-            let layout = GroupedLayout {
-                units: units as usize,
-                groups_per_unit: per_unit,
-                prefetch,
-                staged_stores,
-            };
-            Some((layout, rows_per_cube))
-        }
-    })
+    let layout = match units {
+        None => grouped_layout(k, n, input_bytes),
+        Some(u) => grouped_layout_with_units(k, n, input_bytes, u).map(|p| (u, p)),
+    };
+    let Some((units, per_unit)) = layout.filter(|&(u, _)| {
+        rows_per_cube >= 1 && (!staged_stores || stage_bytes(u) <= STAGED_STORE_BYTES)
+    }) else {
+        return Err(SlideSparseError::Unsupported {
+            what: "the grouped quant kernel".into(),
+            why: format!(
+                "it cannot take K = {k} (n = {n}) with {units:?} units, {rows_per_cube} rows per cube, staged stores {staged_stores}"
+            ),
+        });
+    };
+    let layout = GroupedLayout {
+        units: units as usize,
+        groups_per_unit: per_unit,
+        prefetch,
+        staged_stores,
+    };
+    Ok((layout, rows_per_cube))
 }
 
 /// [`launch_quant_lift`] with the kernel choice made explicit.
@@ -188,13 +188,27 @@ pub fn launch_quant_lift_with(
     // The grouped kernel writes whole 16-byte vectors: rows of other widths take the
     // row-staged kernel (an explicit grouped layout is refused instead).
     let whole_vectors = vo == 16 / elem;
-    if matches!(kernel, QuantKernel::Grouped { .. }) && !whole_vectors {
-        return Err(SlideSparseError::Unsupported {
-            what: "the grouped quant kernel".into(),
-            why: format!("it needs K' = {k_out} to be whole 16-byte vectors"),
-        });
-    }
-    let grouped = grouped_choice(kernel, k, n, (input_bytes, elem))?.filter(|_| whole_vectors);
+    let grouped = match kernel {
+        QuantKernel::Auto => auto_layout(k, n, input_bytes).filter(|_| whole_vectors),
+        #[cfg(feature = "internals")]
+        QuantKernel::RowStaged => None,
+        #[cfg(feature = "internals")]
+        QuantKernel::Grouped {
+            units,
+            rows_per_cube,
+            prefetch,
+            staged_stores,
+        } => {
+            if !whole_vectors {
+                return Err(SlideSparseError::Unsupported {
+                    what: "the grouped quant kernel".into(),
+                    why: format!("it needs K' = {k_out} to be whole 16-byte vectors"),
+                });
+            }
+            let asked = (units, rows_per_cube, prefetch, staged_stores);
+            Some(explicit_layout(k, n, (input_bytes, elem), asked)?)
+        }
+    };
     let (vi, dim, staged) = match grouped {
         Some((layout, _)) => (16 / input_bytes, CubeDim::new_1d(layout.units as u32), 0),
         None => {

@@ -12,9 +12,10 @@ use std::sync::Mutex;
 
 use cudarc::driver::result as cu;
 
+#[cfg(feature = "internals")]
+use super::queued::{GraphReport, lanes};
 use super::{
     driver::driver_err,
-    queued::{GraphReport, lanes},
     runtime::{Client, cubecl_err},
     state::DeviceState,
 };
@@ -76,6 +77,7 @@ pub fn available_bytes(client: &Client, state: &Mutex<DeviceState>) -> Result<u6
 }
 
 /// Device memory as the allocator and the driver see it, for reports.
+#[cfg(feature = "internals")]
 #[derive(Clone, Copy, Debug)]
 pub struct MemoryReport {
     /// Bytes of live cubecl allocations (padding included).
@@ -89,6 +91,7 @@ pub struct MemoryReport {
     pub total: u64,
 }
 
+#[cfg(feature = "internals")]
 /// The GEMM graphs `device`'s lanes hold now and how their GEMM calls ran, over every
 /// layer run so far (see [`GraphReport`]). On fusion, sync first: a queued forward has not
 /// captured its graph yet.
@@ -98,6 +101,7 @@ pub fn graph_report(device: &cubecl::cuda::CudaDevice) -> Result<GraphReport> {
     Ok(lanes.graph_report())
 }
 
+#[cfg(feature = "internals")]
 /// What `device` holds now, after everything queued on burn's stream of this thread has run
 /// (it synchronizes: for reports only).
 pub fn memory_report(device: &cubecl::cuda::CudaDevice) -> Result<MemoryReport> {
@@ -113,6 +117,7 @@ pub fn memory_report(device: &cubecl::cuda::CudaDevice) -> Result<MemoryReport> 
     })
 }
 
+#[cfg(feature = "internals")]
 /// Asks cubecl to return the pool pages nothing uses to the driver (for reports between
 /// models; cubecl does this lazily on its own).
 pub fn release_free_memory(device: &cubecl::cuda::CudaDevice) {

@@ -13,7 +13,7 @@
 //! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
 //!    `cublaslt`, `cupti`, `nccl` (the library, found at run time, for tensor parallelism),
 //!    `nvrtc_module` (our CUDA C of `kernels/`, compiled per device), `algo_cache` (search
-//!    results on disk), `side_kernels` (the stream gate's kernels);
+//!    results on disk), `side_kernels` (the stream gate's kernels, feature `internals`);
 //! 3. buffers and order: `buffers` (held and kept device buffers), `graphs` (GEMM calls
 //!    replayed as CUDA graphs), `queued` (per-stream lanes; all our work queued behind
 //!    burn's kernels: library calls, our kernels, failures), `launch` (CubeCL kernel
@@ -24,18 +24,28 @@
 //!    forward: quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once),
 //!    `attention` (flash attention), `block_steps` (RMSNorm, SiLU-gated product, RoPE and
 //!    the cache write), `nccl_ranks` and `burn_ranks` (tensor-parallel collectives);
-//! 6. benchmark tools: `gate` (a stream gate), `profiler` (profiler ranges).
+//! 6. benchmark tools (feature `internals`): `gate` (a stream gate), `profiler` (profiler
+//!    ranges).
 
-/// Declares modules that are private, or public (doc-hidden) with the `internals` feature
-/// that the project's own GPU tests and benchmarks use.
+/// Declares modules that are crate-private, or public (doc-hidden) with the `internals`
+/// feature that the project's own GPU tests and benchmarks use.
 macro_rules! internal_modules {
     ($($name:ident),* $(,)?) => {$(
         #[cfg(feature = "internals")]
         #[doc(hidden)]
         pub mod $name;
         #[cfg(not(feature = "internals"))]
-        #[allow(dead_code)]
         pub(crate) mod $name;
+    )*};
+}
+
+/// Declares the benchmark tools: compiled only with the `internals` feature (public,
+/// doc-hidden).
+macro_rules! benchmark_modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
     )*};
 }
 
@@ -113,7 +123,6 @@ internal_modules!(
     cupti,
     cusparselt,
     driver,
-    gate,
     gemm,
     graphs,
     launch,
@@ -123,13 +132,13 @@ internal_modules!(
     nvrtc_module,
     pipeline,
     prepare,
-    profiler,
     queued,
     runtime,
-    side_kernels,
     state,
     thread_exit,
 );
+
+benchmark_modules!(gate, profiler, side_kernels);
 
 /// A SlideSparse layer prepared on the GPU (cuSPARSELt's compressed weight).
 pub type CudaPrepared = pipeline::GpuLayer<gemm::SparseGemm>;

@@ -29,42 +29,27 @@ pub type Comm = *mut c_void;
 /// `cudaStream_t`.
 pub type Stream = *mut c_void;
 
-/// `ncclUniqueId`: 128 opaque bytes, passed by value to `ncclCommInitRank`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct UniqueId {
-    /// The bytes, as NCCL writes them.
-    pub internal: [c_char; 128],
-}
-
 /// `ncclDataType_t` values the layers reduce in.
 pub mod data_type {
-    pub const INT32: i32 = 2;
     pub const FLOAT16: i32 = 6;
     pub const FLOAT32: i32 = 7;
     pub const BFLOAT16: i32 = 9;
 }
 
-/// `ncclRedOp_t` values.
+/// `ncclRedOp_t` values the layers reduce with.
 pub mod op {
     pub const SUM: i32 = 0;
-    pub const MAX: i32 = 2;
 }
 
 library_bindings! {
     Nccl {
         ncclGetVersion: fn(*mut c_int) -> NcclResult;
         ncclGetErrorString: fn(NcclResult) -> *const c_char;
-        ncclGetUniqueId: fn(*mut UniqueId) -> NcclResult;
-        ncclCommInitRank: fn(*mut Comm, c_int, UniqueId, c_int) -> NcclResult;
         ncclCommInitAll: fn(*mut Comm, c_int, *const c_int) -> NcclResult;
         ncclCommDestroy: fn(Comm) -> NcclResult;
         ncclCommAbort: fn(Comm) -> NcclResult;
-        ncclCommGetAsyncError: fn(Comm, *mut NcclResult) -> NcclResult;
         ncclAllReduce: fn(*const c_void, *mut c_void, usize, i32, i32, Comm, Stream) -> NcclResult;
         ncclAllGather: fn(*const c_void, *mut c_void, usize, i32, Comm, Stream) -> NcclResult;
-        ncclGroupStart: fn() -> NcclResult;
-        ncclGroupEnd: fn() -> NcclResult;
     }
 }
 

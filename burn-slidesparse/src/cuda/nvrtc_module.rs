@@ -107,13 +107,11 @@ fn arch((major, minor): (i32, i32)) -> &'static str {
 }
 
 /// A program compiled for one device and loaded in its primary context, for the life of the
-/// process.
+/// process (the module is never unloaded: its functions are cached by their users).
 pub struct LoadedProgram {
     module: sys::CUmodule,
     /// The device it was compiled for.
     pub info: DeviceInfo,
-    /// The device's primary context, current on the thread that loaded it.
-    pub context: Context,
 }
 
 // SAFETY: a module and the functions looked up in it are immutable after loading; the
@@ -129,7 +127,8 @@ impl LoadedProgram {
     /// ([`SlideSparseError::Io`]), NVRTC's log of a failed compile.
     pub fn load(index: usize, program: &Program) -> Result<Self> {
         let info = DeviceInfo::of(index)?;
-        let context = Context::retain(cuda_device(index)?)?;
+        // The module lives in the device's primary context (cubecl's), made current here.
+        Context::retain(cuda_device(index)?)?;
         let (major, minor) = info.capability;
         if info.capability < program.min_capability {
             let (need_major, need_minor) = program.min_capability;
@@ -160,11 +159,7 @@ impl LoadedProgram {
         // SAFETY: `image` is a NUL-terminated PTX string; the context is current (`retain`).
         let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
             .map_err(driver_err("cuModuleLoadData"))?;
-        Ok(Self {
-            module,
-            info,
-            context,
-        })
+        Ok(Self { module, info })
     }
 
     /// The `extern "C"` function `name` of the program, allowed `dynamic_smem` bytes of

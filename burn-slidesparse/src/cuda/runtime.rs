@@ -22,6 +22,12 @@ pub type Server = <Runtime as cubecl::Runtime>::Server;
 /// A value per CUDA device, built on first use and shared for the life of the process.
 pub struct PerDevice<T>(Mutex<Option<HashMap<usize, Arc<T>>>>);
 
+impl<T> Default for PerDevice<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T> PerDevice<T> {
     /// No device's value yet.
     pub const fn new() -> Self {
@@ -41,7 +47,7 @@ impl<T> PerDevice<T> {
         Ok(value)
     }
 
-    /// Device `index`'s value if it was built.
+    /// Device `index`'s value if it was built (without building it).
     pub fn get(&self, index: usize) -> Option<Arc<T>> {
         let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
         all.as_ref()?.get(&index).cloned()

@@ -72,11 +72,13 @@ impl DeviceState {
     }
 
     /// Changes the ordering and replay settings (tests and benchmarks compare them).
+    #[cfg(feature = "internals")]
     pub fn set_settings(&mut self, settings: Settings) {
         self.settings = settings;
     }
 
     /// Puts the settings back to those of the environment.
+    #[cfg(feature = "internals")]
     pub fn restore_default_settings(&mut self) -> Result<()> {
         self.settings = config()?.settings;
         Ok(())
@@ -152,6 +154,7 @@ pub fn device_state(index: usize) -> Result<Arc<Mutex<DeviceState>>> {
     STATES.get_or_try_init(index, || DeviceState::new(index).map(Mutex::new))
 }
 
+#[cfg(feature = "internals")]
 /// Changes the settings of device `index`'s forwards with `change` (tests and benchmarks
 /// compare graph modes and orderings), e.g. `update_settings(0, |s| s.graphs = GraphMode::Off)`.
 pub fn update_settings(index: usize, change: impl FnOnce(&mut Settings)) -> Result<()> {

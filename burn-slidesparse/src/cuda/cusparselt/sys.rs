@@ -57,7 +57,6 @@ pub const OP_TRANSPOSE: i32 = 1;
 pub const SPARSITY_50_PERCENT: i32 = 0;
 pub const ALG_DEFAULT: i32 = 0;
 pub const ALG_CONFIG_ID: i32 = 0;
-pub const ALG_CONFIG_MAX_ID: i32 = 1;
 /// `CUSPARSELT_MATMUL_ALPHA_VECTOR_SCALING` (an `int`, 1 = on): alpha becomes a device
 /// vector with one entry per row of D.
 pub const MATMUL_ALPHA_VECTOR_SCALING: i32 = 5;

@@ -27,6 +27,8 @@ use cubecl::{
 };
 use cudarc::driver::{result as cu, sys};
 
+#[cfg(feature = "internals")]
+use super::report::CallCounts;
 use super::{
     super::{
         buffers::{KeptBuffer, KeptScratch},
@@ -68,7 +70,7 @@ impl Drop for OwnedStream {
 /// One cubecl stream's state on one device.
 pub struct Lane {
     /// burn's stream (as an integer), or why it could not be found; probed on first use.
-    burn_stream: Option<std::result::Result<usize, String>>,
+    pub(super) burn_stream: Option<std::result::Result<usize, String>>,
     /// A stream of ours for host-ordered work, created on first use.
     host_stream: Option<Arc<OwnedStream>>,
     workspace: KeptBuffer,
@@ -77,6 +79,7 @@ pub struct Lane {
     /// GEMM calls on kept buffers, replayed as CUDA graphs.
     pub graphs: GemmGraphs,
     /// How this lane's GEMM calls ran, for reports.
+    #[cfg(feature = "internals")]
     pub(super) calls: CallCounts,
 }
 
@@ -88,6 +91,7 @@ impl Lane {
             workspace: KeptBuffer::default(),
             scratch: KeptScratch::default(),
             graphs: GemmGraphs::default(),
+            #[cfg(feature = "internals")]
             calls: CallCounts::default(),
         }
     }
@@ -137,44 +141,20 @@ impl Lane {
     }
 }
 
-/// How a lane's GEMM calls ran: the ways differ by an order of magnitude in host time at
-/// decode (a queued replay costs the caller ~3 us, a blocking call ~15-25 us), so a model
-/// that is slower than its layers predict shows which way its calls took here.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CallCounts {
-    /// Replays of a captured graph queued on cubecl's device thread without waiting.
-    pub queued: usize,
-    /// Calls the caller waited for on cubecl's device thread, with a graph key (a replay
-    /// while graphs are blocking, or the call that captures a graph).
-    pub blocking_keyed: usize,
-    /// Calls the caller waited for without a graph key (graphs off, or buffers not kept:
-    /// a prompt-sized forward).
-    pub blocking_unkeyed: usize,
-    /// Calls ordered by host synchronization (`SyncMode::Host`).
-    pub host_synced: usize,
-}
-
-impl std::ops::AddAssign for CallCounts {
-    fn add_assign(&mut self, other: Self) {
-        self.queued += other.queued;
-        self.blocking_keyed += other.blocking_keyed;
-        self.blocking_unkeyed += other.blocking_unkeyed;
-        self.host_synced += other.host_synced;
-    }
-}
-
 /// The lanes of one device, by cubecl stream, with what every lane's work needs of the
 /// device: its context and cubecl's device thread.
 pub struct Lanes {
     device_index: usize,
     context: Context,
     device_thread: DeviceHandle<Server>,
-    lanes: HashMap<StreamId, Lane>,
+    pub(super) lanes: HashMap<StreamId, Lane>,
     /// Lanes of ended threads, freed at the next lookup.
     retired: Vec<Lane>,
     /// How many lanes were retired so far, and their GEMM calls (reports sum every call).
-    retired_count: usize,
-    retired_calls: CallCounts,
+    #[cfg(feature = "internals")]
+    pub(super) retired_count: usize,
+    #[cfg(feature = "internals")]
+    pub(super) retired_calls: CallCounts,
 }
 
 impl Lanes {
@@ -192,7 +172,9 @@ impl Lanes {
             device_thread: DeviceHandle::new(device.to_id()),
             lanes: HashMap::new(),
             retired: Vec::new(),
+            #[cfg(feature = "internals")]
             retired_count: 0,
+            #[cfg(feature = "internals")]
             retired_calls: CallCounts::default(),
         })
     }
@@ -232,8 +214,11 @@ impl Lanes {
     /// thread-local destructor); the next [`current`](Self::current) frees it.
     pub fn retire(&mut self, stream: StreamId) {
         if let Some(lane) = self.lanes.remove(&stream) {
-            self.retired_count += 1;
-            self.retired_calls += lane.calls;
+            #[cfg(feature = "internals")]
+            {
+                self.retired_count += 1;
+                self.retired_calls += lane.calls;
+            }
             self.retired.push(lane);
         }
     }
@@ -247,31 +232,6 @@ impl Lanes {
             self.device_thread
                 .submit(move |_server: &mut Server| drop(graphs));
         }
-    }
-
-    /// The GEMM graphs of every lane, summed (for reports).
-    pub fn graph_report(&self) -> GraphReport {
-        let mut report = GraphReport {
-            lanes: self.lanes.len(),
-            retired: self.retired_count,
-            calls: self.retired_calls,
-            ..GraphReport::default()
-        };
-        for lane in self.lanes.values() {
-            let graphs = &lane.graphs;
-            report.calls += lane.calls;
-            report.captured += graphs.captured();
-            report.failed += graphs.failed();
-            report.clears += graphs.clears();
-            report.nodes += graphs.nodes();
-            if let Some(why) = graphs.last_failure() {
-                report.last_failure = Some(why.to_string());
-            }
-            if let Some(Err(why)) = &lane.burn_stream {
-                report.host_reason = Some(why.clone());
-            }
-        }
-        report
     }
 }
 
@@ -292,60 +252,5 @@ fn retire_lane(index: usize, stream: StreamId) {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retire(stream);
-    }
-}
-
-/// What a device's lanes hold of captured GEMM graphs, and how their GEMM calls ran: failed
-/// captures (those calls run directly, through a host round trip, until the next table
-/// clear retries them), a table that keeps filling up (recaptures), and calls that never
-/// use graphs (graphs off, buffers not kept) show here.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GraphReport {
-    /// Lanes (cubecl streams that ran work of ours on the device) in use.
-    pub lanes: usize,
-    /// Lanes retired with the threads that made them (their calls are in `calls`).
-    pub retired: usize,
-    /// Calls with a captured graph.
-    pub captured: usize,
-    /// The nodes of those graphs, summed.
-    pub nodes: usize,
-    /// Calls whose capture failed (run directly).
-    pub failed: usize,
-    /// Times a lane's table filled up and dropped every graph.
-    pub clears: usize,
-    /// Why a capture failed on some lane, if one did.
-    pub last_failure: Option<String>,
-    /// How the GEMM calls of every lane ran, summed.
-    pub calls: CallCounts,
-    /// Why some lane's work falls back to host synchronization (burn's stream not found),
-    /// if one does.
-    pub host_reason: Option<String>,
-}
-
-impl std::fmt::Display for GraphReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} lanes ({} more retired with their threads), {} graphs captured ({} nodes), {} \
-             captures failed, {} table clears; GEMM calls: {} queued, {} blocking with a graph \
-             key, {} blocking without, {} host-synchronized",
-            self.lanes,
-            self.retired,
-            self.captured,
-            self.nodes,
-            self.failed,
-            self.clears,
-            self.calls.queued,
-            self.calls.blocking_keyed,
-            self.calls.blocking_unkeyed,
-            self.calls.host_synced
-        )?;
-        if let Some(why) = &self.last_failure {
-            write!(f, " (last failure: {why})")?;
-        }
-        if let Some(why) = &self.host_reason {
-            write!(f, " (host-synchronized because {why})")?;
-        }
-        Ok(())
     }
 }

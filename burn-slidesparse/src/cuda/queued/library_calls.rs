@@ -92,17 +92,23 @@ pub fn run_ordered(
             // destruction has run (`device_thread.rs`); the token scales are a kept buffer
             // of `poison.1` f32 values.
             unsafe { queue_graph_launch(device_thread, exec, burn_stream, poison) };
-            lane.calls.queued += 1;
+            #[cfg(feature = "internals")]
+            {
+                lane.calls.queued += 1;
+            }
             return Ok(());
         }
     }
     let graph = replay.key;
-    let counter = match (burn_stream, graph) {
-        (None, _) => &mut lane.calls.host_synced,
-        (Some(_), Some(_)) => &mut lane.calls.blocking_keyed,
-        (Some(_), None) => &mut lane.calls.blocking_unkeyed,
-    };
-    *counter += 1;
+    #[cfg(feature = "internals")]
+    {
+        let counter = match (burn_stream, graph) {
+            (None, _) => &mut lane.calls.host_synced,
+            (Some(_), Some(_)) => &mut lane.calls.blocking_keyed,
+            (Some(_), None) => &mut lane.calls.blocking_unkeyed,
+        };
+        *counter += 1;
+    }
     let target = match burn_stream {
         Some(stream) => Target::Burn(stream),
         None => Target::Host(lane.host_stream(&context)?),

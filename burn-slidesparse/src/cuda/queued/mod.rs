@@ -29,10 +29,16 @@ mod device_thread;
 mod lanes;
 mod launches;
 mod library_calls;
+#[cfg(feature = "internals")]
+mod report;
 
 #[cfg(feature = "internals")]
 pub use device_thread::fail_next_queued_launch;
-pub use device_thread::{on_burn_stream, queue_task};
-pub use lanes::{GraphReport, Lanes, lanes};
+#[cfg(feature = "internals")]
+pub use device_thread::on_burn_stream;
+pub use device_thread::queue_task;
+pub use lanes::{Lanes, lanes};
 pub use launches::{Call, Launch, submit};
 pub use library_calls::run_ordered;
+#[cfg(feature = "internals")]
+pub use report::{CallCounts, GraphReport};
