@@ -71,6 +71,9 @@ struct Params {
     splits: i32,
     split_len: i32,
     scale_log2: f32,
+    /// 0, or where a graph-replayed decode reads the cache's positions before this call (its
+    /// length is that plus `kv_len`).
+    kv_len_at: u64,
 }
 
 /// The three kernels of one dtype and head dim.

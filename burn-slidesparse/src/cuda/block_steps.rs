@@ -104,6 +104,11 @@ struct NormParams {
     rows: i32,
     width: i32,
     eps: f32,
+    /// 0, or the normed rows' INT8 codes `[rows, codes_stride]` and their f32 scales (a decode
+    /// step's quantization fused into the norm).
+    codes: u64,
+    scales: u64,
+    codes_stride: i32,
 }
 
 /// Must match `GateParams` in `kernels/silu_mul.cu`.
@@ -136,6 +141,8 @@ struct RopeParams {
     /// (burn's `RotaryEncoding` builds a strided one, and a copy of all `max_len` rows per
     /// call cost more than the rest of the step).
     table_strides: [i64; 3],
+    /// 0, or where a graph-replayed step reads `start` on the device.
+    start_at: u64,
 }
 
 type Tensor = CubeTensor<Runtime>;

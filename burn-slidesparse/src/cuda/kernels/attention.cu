@@ -21,7 +21,15 @@ struct Params {
     int batch, tq, kv_len, hq, hkv;
     int splits, split_len;  // decode: number of key splits, keys per split (multiple of 64)
     float scale_log2;       // softmax scale * log2(e)
+    // Decode inside a CUDA graph: when nonzero, the cache length is `*kv_len_at + kv_len`
+    // (positions already in the cache, read on the device at every replay, plus this call's).
+    u64 kv_len_at;
 };
+
+// The cache length of a decode call: fixed, or read from the device (graph replays).
+__device__ __forceinline__ int kv_length(const Params& p) {
+    return p.kv_len_at ? *(const int*)p.kv_len_at + p.kv_len : p.kv_len;
+}
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -275,7 +283,10 @@ __device__ __forceinline__ void decode(const Params& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int group = p.hq / p.hkv, rows = group * p.tq;
-    const int s0 = split * p.split_len, s1 = min(p.kv_len, s0 + p.split_len);
+    const int kv_len = kv_length(p);
+    // Splits past the cache (a graph's split count covers its longest cache) see no key: no
+    // tile, log-sum-exp -inf, weight 0 in `reduce`.
+    const int s0 = split * p.split_len, s1 = min(kv_len, s0 + p.split_len);
     const int n_tiles = (s1 - s0 + BN - 1) / BN;
     const u16* kg = (const u16*)p.k + b * p.k_batch + (i64)s0 * p.k_row + kvh * D;
     const u16* vg = (const u16*)p.v + b * p.v_batch + (i64)s0 * p.v_row + kvh * D;
@@ -316,7 +327,7 @@ __device__ __forceinline__ void decode(const Params& p) {
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
     const int g = lane >> 2;
     // Positions of this thread's rows g and g + 8 (rows past `rows` are padding).
-    const int pos0 = p.kv_len - p.tq + (g % p.tq), pos1 = p.kv_len - p.tq + ((g + 8) % p.tq);
+    const int pos0 = kv_len - p.tq + (g % p.tq), pos1 = kv_len - p.tq + ((g + 8) % p.tq);
     const float sl2 = p.scale_log2;
 
     for (int t = 0; t < n_tiles; ++t) {
@@ -345,7 +356,7 @@ __device__ __forceinline__ void decode(const Params& p) {
                 mma<BF16>(s[j], qf[kk + 1], b2, b3);
             }
         }
-        if (n0 + 15 >= s1 || n0 + 15 > p.kv_len - p.tq) {
+        if (n0 + 15 >= s1 || n0 + 15 > kv_len - p.tq) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int key = n0 + j * 8 + 2 * (lane & 3);

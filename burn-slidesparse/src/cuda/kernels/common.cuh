@@ -49,3 +49,23 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
     __syncthreads();
     return v;
 }
+
+// Eight 16-bit values in one 16-byte load or store, as four pairs (low half first, as
+// `pack2` packs them).
+struct __align__(16) Vec8 {
+    u32 v[4];
+};
+
+template <bool BF16>
+__device__ __forceinline__ float lo16(u32 v) { return from16<BF16>((u16)(v & 0xffffu)); }
+template <bool BF16>
+__device__ __forceinline__ float hi16(u32 v) { return from16<BF16>((u16)(v >> 16)); }
+
+// Programmatic dependent launch (sm_90): lets a kernel launched behind this one with the
+// programmatic-serialization attribute start its prologue now (a GEMV prefetching its
+// weights); it still waits for this kernel to finish before it reads what this one writes.
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

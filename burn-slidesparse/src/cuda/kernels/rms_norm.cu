@@ -1,32 +1,26 @@
 // RMSNorm over a row, after the residual add when one is given: one launch where burn's
 // `RmsNorm` (and the add before it) queues several, which is what bounds decode on the host.
-// 16-bit elements (bf16 or f16), f32 arithmetic, one rounding per output.
+// 16-bit elements (bf16 or f16), f32 arithmetic, one rounding per output. At decode it also
+// quantizes the normed row for the INT8 GEMV that reads it (`quantize.cuh`), which saves the
+// quantization's own launch and its read of the row.
 
-#include "common.cuh"
+#include "quantize.cuh"
 
 // Must match `NormParams` in block_steps.rs (repr(C)).
 struct NormParams {
     u64 x, delta, gamma;  // x, delta [rows, width] (delta 0: none), gamma [width]
     u64 sum, out;         // sum = x + delta [rows, width] (written when delta is given), out
+                          // (0: not written, codes only)
     int rows, width;
     float eps;
+    u64 codes, scales;    // 0, or the normed rows' INT8 codes [rows, codes_stride] and f32
+    int codes_stride;     // per-row scales (vector path only: the host checks it applies)
 };
 
 #define NORM_THREADS 256
 // 8-element (16-byte) chunks of a row each thread keeps in registers on the vector path:
 // rows up to 8 * NORM_CHUNKS * NORM_THREADS = 8192 values (Llama's 4096, Qwen's 3584).
 #define NORM_CHUNKS 4
-
-// Eight 16-bit values in one 16-byte load or store, as four pairs (low half first, as
-// `pack2` packs them).
-struct __align__(16) Vec8 {
-    u32 v[4];
-};
-
-template <bool BF16>
-__device__ __forceinline__ float lo16(u32 v) { return from16<BF16>((u16)(v & 0xffffu)); }
-template <bool BF16>
-__device__ __forceinline__ float hi16(u32 v) { return from16<BF16>((u16)(v >> 16)); }
 
 // a + b per element, rounded to 16 bits (the residual stream the model keeps).
 template <bool BF16>
@@ -71,6 +65,7 @@ __device__ __forceinline__ Vec8 scale8(Vec8 h, Vec8 gamma, float r) {
 template <bool BF16>
 __device__ __forceinline__ void rms_norm(const NormParams& p) {
     __shared__ float red[NORM_THREADS / 32];
+    allow_dependents();
     const i64 row = blockIdx.x;
     const u16* x = (const u16*)p.x + row * p.width;
     const u16* delta = p.delta ? (const u16*)p.delta + row * p.width : nullptr;
@@ -101,8 +96,14 @@ __device__ __forceinline__ void rms_norm(const NormParams& p) {
 #pragma unroll
         for (int c = 0; c < NORM_CHUNKS; ++c) {
             const int j = threadIdx.x + c * NORM_THREADS;
-            if (j < chunks) ((Vec8*)out)[j] = scale8<BF16>(h[c], g[c], r);
+            if (j < chunks) {
+                h[c] = scale8<BF16>(h[c], g[c], r);
+                if (p.out) ((Vec8*)out)[j] = h[c];
+            }
         }
+        if (p.codes)
+            quantize_held<BF16, NORM_THREADS, NORM_CHUNKS>(h, chunks, (signed char*)p.codes + row * p.codes_stride,
+                                                           (float*)p.scales + row, red);
         return;
     }
     float ss = 0.f;

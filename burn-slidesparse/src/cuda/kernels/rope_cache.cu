@@ -12,6 +12,7 @@ struct RopeParams {
     u64 k, v;   // caches [batch, capacity, hkv, d], written at positions start..start + t
     int batch, t, hq, hkv, d, start, capacity;
     i64 table_strides[3];  // in elements: position, element j < d (read at j = 2i), cos/sin
+    u64 start_at;          // nonzero: the first position is read here on the device (graphs)
 };
 
 // One CTA per (token, head), one thread per pair (2i, 2i + 1): q and k heads rotated
@@ -20,7 +21,8 @@ struct RopeParams {
 template <bool BF16>
 __device__ __forceinline__ void rope_cache(const RopeParams& p) {
     const int row = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
-    const int b = row / p.t, pos = p.start + (row - b * p.t);
+    const int start = p.start_at ? *(const int*)p.start_at : p.start;
+    const int b = row / p.t, pos = start + (row - b * p.t);
     const int heads = p.hq + 2 * p.hkv;
     const u32 pair = ((const u32*)((const u16*)p.qkv + ((i64)row * heads + h) * p.d))[i];
     u32 value = pair;
