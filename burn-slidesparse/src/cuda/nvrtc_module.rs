@@ -51,6 +51,10 @@ pub const FILES: &[KernelFile] = kernel_files![
     "silu_mul.cu",
     "rope_cache.cu",
     "stream_gate.cu",
+    "quantize.cuh",
+    "act_quant.cu",
+    "decode_step.cu",
+    "decode_gemv.cu",
 ];
 
 /// Files of [`FILES`] compiled together into one module.
