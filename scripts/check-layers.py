@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
-"""Checks that burn-slidesparse's modules import only from layers below their own.
+"""Checks that burn-slidesparse's modules import only from their own layer or those below.
 
-The layer table is the one in docs/architecture.md (section "Layers"): each row names a
-layer number and the modules in it. A module that is a folder (`cuda/cusparselt/`) counts
-with everything inside it. The script reads every module's `use crate::...`, `use super::...`
-and in-code `crate::a::b` / `super::a` paths (tests excluded: a `#[cfg(test)] mod tests`
-block may use any module it checks), and fails on
+The layers are declared once, in docs/architecture.md, section "Layers": a table of the
+crate's top-level modules and, under "Inside `cuda`", a table of the modules directly under
+`cuda/`. A row `| N. name | `module` | ... |` opens layer N; a row with an empty first cell
+adds a module to the layer above. A module with submodules (`block_ops/`, `cuda/queued/`)
+counts as one, with everything inside it.
 
-- a module missing from the table, or a table entry that is not a module;
+The script finds the modules from `lib.rs` through their `mod` declarations, reads each
+module's `use` trees and in-code `crate::...`, `super::...`, `self::...` paths (comments,
+strings and `#[cfg(test)] mod` blocks excluded: a unit test may use any module it checks),
+and fails on
+
+- a module missing from the tables, or a table entry that is not a module;
 - an import of a module in a higher layer;
-- an import cycle among modules (in any layers: within a layer imports are allowed, as long
-  as they form no cycle).
+- an import cycle (within a layer imports are allowed, as long as they form no cycle);
+- an import of the crate root or of `cuda`'s own re-exports from inside the crate;
+- `cuda/mod.rs` listing the CUDA layers differently (its `//! N. name: ...` lines).
 
-It also checks that `cuda/mod.rs` lists the CUDA layers as the table does (its
-`//! N. name: modules` lines), so the two cannot drift.
-
-Usage: scripts/check-layers.py [--graph]   (--graph prints each module's imports)
+Usage: scripts/check-layers.py [--graph]   (--graph prints each module's imports first)
 Only the Python standard library is used.
 """
 
@@ -31,7 +34,8 @@ CUDA_MOD = os.path.join(SRC, "cuda", "mod.rs")
 
 def modules():
     """Every module of the library as `a::b` -> file, found from `lib.rs` through its `mod`
-    declarations (and `cuda/mod.rs`'s `internal_modules!` list); the crate root is `crate`.
+    declarations (and `cuda/mod.rs`'s `internal_modules!` and `benchmark_modules!` lists);
+    the crate root is `crate`.
     Files that no declaration reaches are not modules and are not read."""
     found = {}
 
@@ -39,7 +43,7 @@ def modules():
         found[name] = path
         code = code_of(path, keep_tests=True)
         declared = re.findall(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", code, re.M)
-        for listed in re.findall(r"internal_modules!\s*\(([^)]*)\)", code):
+        for listed in re.findall(r"(?:internal|benchmark)_modules!\s*\(([^)]*)\)", code):
             declared += re.findall(r"\w+", listed)
         folder = os.path.dirname(path)
         if os.path.basename(path) not in ("lib.rs", "mod.rs"):
@@ -172,14 +176,14 @@ def imports(module, path, known):
         code, inner = inline_modules(code)
         for name, body in inner:
             scan(body, own + [name], False)
-        for m in re.finditer(r"\buse\s+([^;]+);", code):
+        uses = re.compile(r"\buse\s+([^;]+);")
+        for m in uses.finditer(code):
             for segments in use_paths(m.group(1)):
                 target = absolute(segments)
                 if target is not None:
                     found.add(resolve(target))
-        for m in re.finditer(r"(?<![\w:$])((?:crate|super|self)(?:::\w+)+)", code):
-            if m.group(1).startswith(("self::", "super::")) and "use " in code[max(0, m.start() - 200) : m.start()].split(";")[-1]:
-                continue  # inside a `use` statement: done above
+        # Paths in the code itself (`crate::a::f()`, `super::B`); `$crate` is a macro's.
+        for m in re.finditer(r"(?<![\w:$])((?:crate|super|self)(?:::\w+)+)", uses.sub("", code)):
             target = absolute(m.group(1).split("::"))
             if target is not None:
                 found.add(resolve(target))
@@ -190,39 +194,51 @@ def imports(module, path, known):
     return {f for f in found if not f.startswith(module + "::") or module == "crate"}
 
 
-def layer_table():
-    """`module -> (layer number, layer name)` from docs/architecture.md's "Layers" table."""
-    text = open(TABLE, encoding="utf-8").read()
-    m = re.search(r"^## Layers\n(.*?)(?=^## )", text, re.S | re.M)
-    if not m:
-        sys.exit(f"{TABLE}: no '## Layers' section")
-    table = {}
-    for line in m.group(1).splitlines():
-        row = re.match(r"\|\s*(\d+)\.\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|", line)
-        if not row:
+def parse_table(text, what):
+    """`module -> (layer number, layer name)` from a markdown table whose rows are
+    `| N. name | `module` | ... |`, or `| | `module` | ... |` for one more module of the layer
+    above."""
+    table, layer = {}, None
+    for line in text.splitlines():
+        if not line.lstrip().startswith("|"):
             continue
-        number, name = int(row.group(1)), row.group(2)
-        for module in re.findall(r"`([\w:]+)`", row.group(3)):
-            if module in table:
-                sys.exit(f"{TABLE}: `{module}` is in two layers")
-            table[module] = (number, name)
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2:
+            continue
+        head = re.match(r"(\d+)\.\s*(.+)", cells[0])
+        if head:
+            layer = (int(head.group(1)), head.group(2))
+        elif cells[0] or layer is None:
+            continue  # the header row, its rule, or a row before the first layer
+        # The module is the cell's first code span (a feature may follow it).
+        module = re.search(r"`([\w:]+)`", cells[1])
+        if module:
+            if module.group(1) in table:
+                sys.exit(f"{TABLE}: `{module.group(1)}` is in two rows of {what}")
+            table[module.group(1)] = layer
     if not table:
-        sys.exit(f"{TABLE}: the '## Layers' table has no rows")
+        sys.exit(f"{TABLE}: the table of {what} has no rows")
     return table
 
 
-def unit_of(module, table):
-    """The table entry a module belongs to: itself, or the folder module holding it."""
-    segments = module.split("::")
-    for n in range(len(segments), 0, -1):
-        name = "::".join(segments[:n])
-        if name in table:
-            return name
-    return None
+def layer_tables():
+    """The crate's layer table (section `## Layers`) and the CUDA path's (its subsection
+    `### Inside cuda`, module names relative to `cuda`)."""
+    text = open(TABLE, encoding="utf-8").read()
+    m = re.search(r"^## Layers\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    if not m:
+        sys.exit(f"{TABLE}: no '## Layers' section")
+    crate_part, _, cuda_part = m.group(1).partition("### Inside `cuda`")
+    if not cuda_part:
+        sys.exit(f"{TABLE}: no '### Inside `cuda`' subsection under '## Layers'")
+    crate = parse_table(crate_part, "the crate")
+    cuda = {"cuda::" + k: v for k, v in parse_table(cuda_part, "cuda").items()}
+    return crate, cuda
 
 
 def cuda_mod_layers():
-    """`cuda/mod.rs`'s list: `//! N. name: modules` lines -> {module: number}."""
+    """`cuda/mod.rs`'s list: `//! N. name: modules` lines (every code span in them names a
+    module) -> {module: number}."""
     text = open(CUDA_MOD, encoding="utf-8").read()
     listed, current = {}, None
     for line in text.splitlines():
@@ -273,60 +289,96 @@ def cycles(graph):
     return found
 
 
-def main():
-    known = modules()
-    table = layer_table()
-    errors = []
-    for entry in sorted(table):
-        if entry not in known and not any(k.startswith(entry + "::") for k in known):
-            errors.append(f"docs/architecture.md lists `{entry}`, which is not a module")
-    graph, units = {}, {}
-    for module, path in sorted(known.items()):
-        if module == "crate":
-            continue  # lib.rs declares and re-exports everything: it is the top
-        unit = unit_of(module, table)
-        if unit is None:
-            errors.append(f"`{module}` ({os.path.relpath(path, ROOT)}) is in no layer of docs/architecture.md")
-            continue
-        units[module] = unit
-    if "--graph" in sys.argv:
-        for module in sorted(units):
-            deps = sorted(imports(module, known[module], known) - {"crate"})
-            print(f"{module} [{table[units[module]][0]}] -> {' '.join(deps)}")
+def check_level(name, units, table, deps, errors):
+    """Layer and cycle checks among `units` (module -> its entry of `table`); `deps` maps
+    each module to the entries it imports."""
+    graph = {}
     for module in sorted(units):
         unit = units[module]
-        layer = table[unit][0]
-        for dep in sorted(imports(module, known[module], known)):
-            if dep == "crate":
-                errors.append(f"`{module}` imports the crate root (import from the module itself)")
+        layer, layer_name = table[unit]
+        for dep in sorted(deps[module]):
+            if dep == unit:
                 continue
-            dep_unit = units.get(dep)
-            if dep_unit is None or dep_unit == unit:
-                continue
-            graph.setdefault(unit, set()).add(dep_unit)
-            dep_layer = table[dep_unit][0]
+            graph.setdefault(unit, set()).add(dep)
+            dep_layer, dep_name = table[dep]
             if dep_layer > layer:
                 errors.append(
-                    f"`{module}` (layer {layer}, {table[unit][1]}) imports `{dep}` "
-                    f"(layer {dep_layer}, {table[dep_unit][1]}): upward"
+                    f"{name}: `{module}` (layer {layer}, {layer_name}) imports `{dep}` "
+                    f"(layer {dep_layer}, {dep_name}): upward"
                 )
     for cycle in cycles(graph):
-        errors.append("import cycle among " + ", ".join(f"`{m}`" for m in cycle))
+        errors.append(f"{name}: import cycle among " + ", ".join(f"`{m}`" for m in cycle))
+
+
+def main():
+    known = modules()
+    crate_table, cuda_table = layer_tables()
+    errors = []
+    imported = {m: imports(m, path, known) for m, path in known.items() if m != "crate"}
+    if "--graph" in sys.argv:
+        for module in sorted(imported):
+            print(f"{module} -> {' '.join(sorted(imported[module]))}")
+    # The crate: a module counts as its top-level module (`cuda::queued` is `cuda`).
+    def top(module):
+        return module.split("::")[0]
+
+    for entry in sorted(crate_table):
+        if entry not in known:
+            errors.append(f"docs/architecture.md lists `{entry}`, which is not a module")
+    units, deps = {}, {}
+    for module, found in sorted(imported.items()):
+        if top(module) not in crate_table:
+            where = os.path.relpath(known[module], ROOT)
+            errors.append(f"`{module}` ({where}) is in no layer of docs/architecture.md")
+            continue
+        units[module] = top(module)
+        if "crate" in found:
+            errors.append(f"`{module}` imports the crate root: import from the defining module")
+        deps[module] = {top(d) for d in found if d != "crate" and top(d) in crate_table}
+    check_level("crate", units, crate_table, deps, errors)
+    # Inside `cuda`: a module counts as its module directly under `cuda`.
+    def second(module):
+        return "::".join(module.split("::")[:2])
+
+    for entry in sorted(cuda_table):
+        if entry not in known:
+            errors.append(f"docs/architecture.md lists `{entry}`, which is not a module")
+    units, deps = {}, {}
+    for module, found in sorted(imported.items()):
+        if not module.startswith("cuda::"):
+            continue
+        if second(module) not in cuda_table:
+            errors.append(f"`{module}` is in no layer of cuda in docs/architecture.md")
+            continue
+        units[module] = second(module)
+        if "cuda" in found:
+            errors.append(
+                f"`{module}` imports the `cuda` module itself (its re-exports): import from "
+                "the defining module"
+            )
+        deps[module] = {
+            second(d) for d in found if d.startswith("cuda::") and second(d) in cuda_table
+        }
+    check_level("cuda", units, cuda_table, deps, errors)
     listed = cuda_mod_layers()
-    in_table = {m: n for m, (n, _) in table.items() if m.startswith("cuda::")}
-    if listed != in_table:
-        for m in sorted(set(listed) | set(in_table)):
-            a, b = listed.get(m), in_table.get(m)
-            if a != b:
-                errors.append(
-                    f"`{m}`: layer {a} in burn-slidesparse/src/cuda/mod.rs, {b} in docs/architecture.md"
-                )
+    in_table = {m: n for m, (n, _) in cuda_table.items()}
+    for m in sorted(set(listed) | set(in_table)):
+        a, b = listed.get(m), in_table.get(m)
+        if a != b:
+            errors.append(
+                f"`{m}`: layer {a} in burn-slidesparse/src/cuda/mod.rs, {b} in docs/architecture.md"
+            )
     if errors:
-        print("check-layers: " + str(len(errors)) + " problem(s)", file=sys.stderr)
+        print(f"check-layers: {len(errors)} problem(s)", file=sys.stderr)
         for e in errors:
             print("  " + e, file=sys.stderr)
         sys.exit(1)
-    print(f"check-layers: {len(units)} modules in {len(set(n for n, _ in table.values()))} layers, no upward import, no cycle")
+    crate_layers = len({n for n, _ in crate_table.values()})
+    cuda_layers = len({n for n, _ in cuda_table.values()})
+    print(
+        f"check-layers: {len(imported)} modules, {crate_layers} layers in the crate and "
+        f"{cuda_layers} in cuda: no upward import, no cycle"
+    )
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@
 //!    pointers, per-device values), `driver` (typed driver errors, device, context),
 //!    `accumulator` (what a GEMM writes), `thread_exit` (per-stream state released when its
 //!    thread ends);
-//! 2. libraries: `cusparselt` (`sys` symbols / `result` statuses / owning types),
+//! 2. libraries: `cusparselt` (its symbols, statuses and owning types),
 //!    `cublaslt`, `cupti`, `nccl` (the library, found at run time, for tensor parallelism),
 //!    `nvrtc_module` (our CUDA C of `kernels/`, compiled per device), `algo_cache` (search
-//!    results on disk), `side_kernels` (the stream gate's kernels, feature `internals`);
+//!    results on disk), `side_kernels` (the stream gate's kernels, for benchmarks);
 //! 3. buffers and order: `buffers` (held and kept device buffers), `graphs` (GEMM calls
 //!    replayed as CUDA graphs), `queued` (per-stream lanes; all our work queued behind
 //!    burn's kernels: library calls, our kernels, failures), `launch` (CubeCL kernel
@@ -24,8 +24,9 @@
 //!    forward: quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once),
 //!    `attention` (flash attention), `block_steps` (RMSNorm, SiLU-gated product, RoPE and
 //!    the cache write), `nccl_ranks` and `burn_ranks` (tensor-parallel collectives);
-//! 6. benchmark tools (feature `internals`): `gate` (a stream gate), `profiler` (profiler
-//!    ranges).
+//! 6. benchmark tools: `gate` (a stream gate), `profiler` (profiler ranges).
+//!
+//! The benchmark tools and `side_kernels` are compiled only with the `internals` feature.
 
 /// Declares modules that are crate-private, or public (doc-hidden) with the `internals`
 /// feature that the project's own GPU tests and benchmarks use.
