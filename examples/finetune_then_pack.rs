@@ -30,13 +30,7 @@ use burn::{
 };
 use burn_slidesparse::{
     LayerSelection, MaybeSparseLinear, PackOptions, PackedFile, Precision, PruneMethod,
-    SlideSparseBackend, SparsityPattern, VisitLinears,
-    gguf::GgufFile,
-    internals::{
-        format::{OwnedTensor, f32_bytes, serialize},
-        write_atomically,
-    },
-    mask_with, pack_checkpoint,
+    SlideSparseBackend, SparsityPattern, VisitLinears, gguf::GgufFile, mask_with, pack_checkpoint,
 };
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -46,6 +40,7 @@ use slidesparse_examples::{
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::{KvCache, Llama},
+    safetensors_io::{F32Tensor, write_f32_safetensors},
     tokenizer::Tokenizer,
     train::{Objective, kl_loss, learning_rate, lm_loss},
 };
@@ -614,18 +609,11 @@ fn save_and_pack<B: Backend>(
             let w = m.effective_weight().transpose();
             let shape = w.dims().to_vec();
             let values: Vec<f32> = w.into_data().convert::<f32>().into_vec().unwrap();
-            tensors.push((
-                format!("{name}.weight"),
-                OwnedTensor {
-                    dtype: safetensors::Dtype::F32,
-                    shape,
-                    data: f32_bytes(&values),
-                },
-            ));
+            tensors.push(F32Tensor::new(format!("{name}.weight"), shape, values));
         }
         Ok(())
     })?;
-    write_atomically(&checkpoint, &serialize(&tensors, HashMap::new())?)?;
+    write_f32_safetensors(&checkpoint, &tensors)?;
     let options = PackOptions {
         prune: PruneMethod::None,
         ..PackOptions::new(args.pattern, args.precision)

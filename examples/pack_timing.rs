@@ -7,9 +7,8 @@
 use std::time::Instant;
 
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SparsityPattern,
-    internals::{format, weight_quant::quantize_weight},
-    pack_linear, prune,
+    PackOptions, PackedFile, Precision, PruneMethod, QuantizedWeight, SparsityPattern, pack_linear,
+    prune,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -62,17 +61,19 @@ fn main() {
     });
     let mut q = None;
     time("quantize (int8)", &mut || {
-        q = Some(quantize_weight(&pruned, rows, cols, Precision::Int8))
+        q = Some(QuantizedWeight::quantize(&pruned, rows, cols, Precision::Int8).unwrap())
     });
     let mut packed = None;
     time("pack_linear (all stages)", &mut || {
         packed = Some(pack_linear("w", &w, rows, cols, None, &options).unwrap().0)
     });
-    let packed = packed.unwrap();
+    let file = PackedFile {
+        layers: vec![packed.unwrap()],
+    };
     time("validate (2:4 + unslide)", &mut || {
-        packed.validate().unwrap();
+        file.layers[0].validate().unwrap();
     });
-    time("layer_tensors (to bytes)", &mut || {
-        format::layer_tensors(&packed);
+    time("to_bytes (the packed file)", &mut || {
+        file.to_bytes().unwrap();
     });
 }

@@ -192,8 +192,14 @@ pub fn serialize(
     )
 }
 
-/// Writes packed layers (and nothing else) to `path`, atomically.
+/// Writes packed layers (and nothing else) to `path`, atomically (a temporary file in the
+/// same folder, synced, then renamed); [`PackedFile::load`] reads them back.
 pub fn save_layers(path: &Path, layers: &[PackedLinear]) -> Result<()> {
+    write_atomically(path, &file_bytes(layers)?)
+}
+
+/// The bytes of a packed file holding `layers`.
+fn file_bytes(layers: &[PackedLinear]) -> Result<Vec<u8>> {
     let mut metas = Vec::new();
     let mut tensors = Vec::new();
     for layer in layers {
@@ -201,8 +207,7 @@ pub fn save_layers(path: &Path, layers: &[PackedLinear]) -> Result<()> {
         metas.push(meta);
         tensors.extend(t);
     }
-    let bytes = serialize(&tensors, file_metadata(&metas))?;
-    write_atomically(path, &bytes)
+    serialize(&tensors, file_metadata(&metas))
 }
 
 /// A packed file read into memory and checked.
@@ -239,6 +244,17 @@ impl PackedFile {
             .map(|meta| read_layer(path, &st, meta))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { layers })
+    }
+
+    /// The file's bytes (what [`save`](Self::save) writes), e.g. to store elsewhere than in
+    /// a local file; [`from_bytes`](Self::from_bytes) parses them back.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        file_bytes(&self.layers)
+    }
+
+    /// Writes the layers to `path` as [`save_layers`] does.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        save_layers(path, &self.layers)
     }
 
     /// The layer packed from `source_tensor` (or with that prefix).

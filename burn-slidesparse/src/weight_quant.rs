@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     error::{Result, SlideSparseError},
     fp8,
+    prune::check_finite,
 };
 
 /// Element type of the packed weight and of the lifted activation.
@@ -246,6 +247,30 @@ pub struct QuantizedWeight {
 }
 
 impl QuantizedWeight {
+    /// Quantizes a row-major `[rows, cols]` f32 weight per output channel, as the packer
+    /// does (INT8: `s = max|row| / 127`, codes `round_half_even(w / s)`; FP8: `/ 448` and
+    /// E4M3; the float precisions round to their type with scale 1): the weight of a dense
+    /// quantized layer ([`QuantizedLinear::from_quantized`](crate::QuantizedLinear)).
+    ///
+    /// Errors: `values` not `rows * cols` long; a NaN or infinite value (named by its row and
+    /// column).
+    pub fn quantize(
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        if values.len() != rows * cols {
+            return Err(SlideSparseError::shape(
+                "weight to quantize (rows x cols values)",
+                rows * cols,
+                values.len(),
+            ));
+        }
+        check_finite("weight", values, cols)?;
+        Ok(quantize_weight(values, rows, cols, precision))
+    }
+
     /// Dequantized values `code * scale`, row-major.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut values = self.codes.to_f32();

@@ -18,14 +18,12 @@ use burn::{
     nn::{Embedding, RmsNorm},
     tensor::{Tensor, TensorData, backend::Backend},
 };
-use burn_slidesparse::{
-    PackedFile, PackedLinear, SlideSparseError, WeightCodes, internals::format::read_f32,
-    load_packed,
-};
+use burn_slidesparse::{PackedFile, PackedLinear, SlideSparseError, WeightCodes, load_packed};
 
 use crate::{
     gguf_llama::linear_from_rows,
     llama::{Llama, LlamaConfig, tied_head},
+    safetensors_io::{F32Tensor, read_f32, write_f32_safetensors},
 };
 
 fn err(what: impl std::fmt::Display) -> SlideSparseError {
@@ -466,18 +464,10 @@ pub fn write_hf_checkpoint<B: Backend>(
     config: &LlamaConfig,
     dir: &Path,
 ) -> Result<(), SlideSparseError> {
-    use burn_slidesparse::internals::format::{OwnedTensor, f32_bytes, serialize};
     let hd = config.head_dim();
     let mut tensors = Vec::new();
     let mut add = |name: String, values: Vec<f32>, shape: Vec<usize>| {
-        tensors.push((
-            name,
-            OwnedTensor {
-                dtype: safetensors::Dtype::F32,
-                shape,
-                data: f32_bytes(&values),
-            },
-        ));
+        tensors.push(F32Tensor::new(name, shape, values));
     };
     let vec1 = |t: Tensor<B, 1>| -> Vec<f32> {
         t.into_data()
@@ -548,8 +538,7 @@ pub fn write_hf_checkpoint<B: Backend>(
     let (head, shape) = rows_of(&model.lm_head, "lm_head")?;
     add("lm_head.weight".into(), head, shape);
     let io = |path: PathBuf| move |e| SlideSparseError::io(&path, e);
-    let st = dir.join("model.safetensors");
-    std::fs::write(&st, serialize(&tensors, Default::default())?).map_err(io(st.clone()))?;
+    write_f32_safetensors(&dir.join("model.safetensors"), &tensors)?;
     let config_json = serde_json::json!({
         "model_type": "qwen2", "vocab_size": config.vocab_size, "hidden_size": config.hidden,
         "intermediate_size": config.intermediate, "num_hidden_layers": config.layers,

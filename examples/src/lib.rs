@@ -6,6 +6,7 @@ pub mod fetch;
 pub mod gguf_llama;
 pub mod hf_llama;
 pub mod llama;
+pub mod safetensors_io;
 pub mod sampling;
 pub mod tensor_parallel;
 pub mod tokenizer;

@@ -321,25 +321,12 @@ fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
     let st = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&st).unwrap();
     let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut kept: Vec<(String, burn_slidesparse::internals::format::OwnedTensor)> = Vec::new();
-    for (name, view) in parsed.tensors() {
-        if name == "model.layers.1.mlp.up_proj.weight" {
-            continue;
-        }
-        kept.push((
-            name.clone(),
-            burn_slidesparse::internals::format::OwnedTensor {
-                dtype: view.dtype(),
-                shape: view.shape().to_vec(),
-                data: view.data().to_vec(),
-            },
-        ));
-    }
-    std::fs::write(
-        &st,
-        burn_slidesparse::internals::format::serialize(&kept, Default::default()).unwrap(),
-    )
-    .unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = parsed
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name != "model.layers.1.mlp.up_proj.weight")
+        .collect();
+    std::fs::write(&st, safetensors::serialize(kept, None).unwrap()).unwrap();
     let err = load_hf_llama::<B>(dir.path(), 64, &device)
         .unwrap_err()
         .to_string();
@@ -481,7 +468,6 @@ fn gguf_loader_reads_a_model_mixing_k_quant_types() {
 /// Splits the single `model.safetensors` of `dir` into two shards plus the index, putting
 /// the tensors named in `in_both` into both shards.
 fn shard_checkpoint(dir: &std::path::Path, in_both: &[&str]) {
-    use burn_slidesparse::internals::format::{OwnedTensor, serialize};
     let single = dir.join("model.safetensors");
     let bytes = std::fs::read(&single).unwrap();
     let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -490,15 +476,10 @@ fn shard_checkpoint(dir: &std::path::Path, in_both: &[&str]) {
     let (mut shards, mut weight_map) = ([Vec::new(), Vec::new()], serde_json::Map::new());
     for (i, name) in names.iter().enumerate() {
         let view = parsed.tensor(name).unwrap();
-        let owned = || OwnedTensor {
-            dtype: view.dtype(),
-            shape: view.shape().to_vec(),
-            data: view.data().to_vec(),
-        };
         let shard = i % 2;
-        shards[shard].push((name.clone(), owned()));
+        shards[shard].push((name.clone(), view.clone()));
         if in_both.contains(&name.as_str()) {
-            shards[1 - shard].push((name.clone(), owned()));
+            shards[1 - shard].push((name.clone(), view));
         }
         weight_map.insert(
             name.clone(),
@@ -507,7 +488,7 @@ fn shard_checkpoint(dir: &std::path::Path, in_both: &[&str]) {
     }
     for (i, tensors) in shards.iter().enumerate() {
         let path = dir.join(format!("model-0000{}-of-00002.safetensors", i + 1));
-        std::fs::write(path, serialize(tensors, Default::default()).unwrap()).unwrap();
+        std::fs::write(path, safetensors::serialize(tensors.clone(), None).unwrap()).unwrap();
     }
     let index = serde_json::json!({"weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();

@@ -1,0 +1,119 @@
+//! Plain float safetensors files, the way the examples read and write Hugging Face
+//! checkpoints: tensors of any float dtype read as f32, and f32 tensors written to a file
+//! atomically (a temporary file in the same folder, then a rename). Packed SlideSparse files
+//! have their own API (`PackedFile::load`, `PackedFile::save`, `save_layers`).
+
+use std::{collections::HashMap, io::Write, path::Path};
+
+use burn_slidesparse::SlideSparseError;
+use half::{bf16, f16};
+use safetensors::{Dtype, View, tensor::TensorView};
+
+/// The values of a F32, F16 or BF16 tensor as f32 (`name` for the error of another dtype).
+pub fn read_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, SlideSparseError> {
+    let data = view.data();
+    Ok(match view.dtype() {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(SlideSparseError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+                context: "expected F32, F16 or BF16".into(),
+            });
+        }
+    })
+}
+
+/// An f32 tensor to write: its name, shape (row-major) and values.
+pub struct F32Tensor {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its values, row-major.
+    pub values: Vec<f32>,
+}
+
+impl F32Tensor {
+    /// A tensor of `values` with `shape`.
+    pub fn new(name: impl Into<String>, shape: Vec<usize>, values: Vec<f32>) -> Self {
+        Self {
+            name: name.into(),
+            shape,
+            values,
+        }
+    }
+}
+
+/// One tensor as safetensors sees it: little-endian f32 bytes.
+struct F32View<'a> {
+    shape: &'a [usize],
+    bytes: Vec<u8>,
+}
+
+impl View for &F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Writes `tensors` as an F32 safetensors file at `path`, atomically.
+pub fn write_f32_safetensors(path: &Path, tensors: &[F32Tensor]) -> Result<(), SlideSparseError> {
+    let views: Vec<(&str, F32View<'_>)> = tensors
+        .iter()
+        .map(|t| {
+            let bytes = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (
+                t.name.as_str(),
+                F32View {
+                    shape: &t.shape,
+                    bytes,
+                },
+            )
+        })
+        .collect();
+    let bytes = safetensors::serialize(
+        views.iter().map(|(name, view)| (*name, view)),
+        None::<HashMap<String, String>>,
+    )
+    .map_err(|source| SlideSparseError::SafeTensors {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let written = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(&bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    written.map_err(|e| {
+        // The write already failed; that error is the one to report.
+        let _ = std::fs::remove_file(&tmp);
+        SlideSparseError::io(path, e)
+    })
+}
