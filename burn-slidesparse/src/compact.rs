@@ -62,7 +62,7 @@ pub struct CompactCodes<T> {
     /// `[rows, blocks, 2N-2]`: the kept codes of each block, in order.
     pub kept: Vec<T>,
     /// `[rows, blocks]`: the rank of each block's pair of zero positions.
-    pub ranks: Vec<u8>,
+    pub ranks: Vec<u16>,
 }
 
 impl<T: SlideElement> CompactCodes<T> {
@@ -92,7 +92,7 @@ impl<T: SlideElement> CompactCodes<T> {
         let blocks = k.div_ceil(len);
         let kept_len = len - 2;
         let mut kept = vec![T::ZERO; rows * blocks * kept_len];
-        let mut ranks = vec![0u8; rows * blocks];
+        let mut ranks = vec![0u16; rows * blocks];
         let failures: Vec<(usize, usize)> = kept
             .par_chunks_mut(blocks * kept_len)
             .zip(ranks.par_chunks_mut(blocks))
@@ -105,7 +105,7 @@ impl<T: SlideElement> CompactCodes<T> {
                     let block_kept = &mut kept[b * kept_len..(b + 1) * kept_len];
                     match compact_block(block, len, block_kept) {
                         Some(rank) => {
-                            ranks[b] = rank as u8;
+                            ranks[b] = rank as u16;
                             None
                         }
                         None => Some((row, b)),
@@ -164,7 +164,7 @@ impl<T: SlideElement> CompactCodes<T> {
             .try_for_each(|(out, row)| unslide_row(row, geometry, out))
             .map_err(|e| SlideSparseError::InvalidPackedFile {
                 path: tensor.into(),
-                why: format!("the slid codes do not un-slide: {e:?}"),
+                detail: format!("the slid codes do not un-slide: {e:?}"),
             })?;
         Self::from_pruned(&pruned, rows, geometry.k, pattern, tensor)
     }
@@ -385,7 +385,7 @@ fn fill_unit(source: &BlockSource<'_>, u: usize, codes: &mut [u8], index: &mut [
 }
 
 fn fill_tail(source: &BlockSource<'_>, k0: usize, codes: &mut [u8], index: &mut [u32]) {
-    for lane in 0..32 {
+    for (lane, word) in index.iter_mut().enumerate().take(32) {
         let (g, t) = (lane / 4, lane % 4);
         let mut bits = 0u32;
         for r in 0..2 {
@@ -399,7 +399,7 @@ fn fill_tail(source: &BlockSource<'_>, k0: usize, codes: &mut [u8], index: &mut 
                 bits |= rank << (5 * b);
             }
         }
-        index[lane] = bits;
+        *word = bits;
     }
 }
 
@@ -431,11 +431,11 @@ mod tests {
         }
     }
 
-    /// Every block of every pattern with at least two zeros (all 2^2N zero masks, the nonzeros
-    /// distinct) round-trips, and every block with fewer is refused.
+    /// Every block of every pattern up to 14:16 with at least two zeros (all 2^2N zero masks,
+    /// the nonzeros distinct) round-trips, and every block with fewer is refused.
     #[test]
     fn every_block_mask_round_trips_or_is_refused() {
-        for pattern in SparsityPattern::all() {
+        for pattern in SparsityPattern::all().filter(|p| p.block_len() <= 16) {
             let len = pattern.block_len();
             for mask in 0u32..1 << len {
                 let block: Vec<i8> = (0..len)
@@ -445,7 +445,11 @@ mod tests {
                 if mask.count_ones() as usize > len - 2 {
                     assert!(result.is_err(), "{pattern} mask {mask:b}");
                 } else {
-                    assert_eq!(result.unwrap().to_pruned(), block, "{pattern} mask {mask:b}");
+                    assert_eq!(
+                        result.unwrap().to_pruned(),
+                        block,
+                        "{pattern} mask {mask:b}"
+                    );
                 }
             }
         }

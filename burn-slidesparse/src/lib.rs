@@ -14,9 +14,12 @@ mod block_ops;
 mod checkpoint;
 mod codes;
 mod collective;
+mod compact;
 mod concat;
 #[cfg(feature = "cubecl")]
 mod cube;
+#[cfg(feature = "cuda")]
+mod decode_graph;
 // Every path that queues work uses it: burn's fusion backend, and the CUDA path (which
 // enables `fusion`); its unit tests run in every build.
 #[cfg(any(test, feature = "fusion"))]
@@ -70,6 +73,8 @@ pub use collective::{Collective, SimulatedRanks};
 pub use concat::concat_outputs;
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;
+#[cfg(feature = "cuda")]
+pub use decode_graph::{DecodeGraph, DecodeModel};
 pub use error::{Result, SlideSparseError};
 pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
 #[cfg(feature = "fusion")]

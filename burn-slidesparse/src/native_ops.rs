@@ -82,6 +82,16 @@ fn cast_all<A: 'static, T: 'static>(values: Vec<A>) -> std::result::Result<Vec<T
     Ok(out)
 }
 
+/// `t` as burn-cuda's plain tensor, if `B` is the plain backend (a clone of its primitive).
+pub fn plain_cuda<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<CubeTensor<Runtime>> {
+    cast::<_, CubeTensor<Runtime>>(t.clone().into_primitive().tensor()).ok()
+}
+
+/// A plain burn-cuda tensor as `B`'s (when `B` is the plain backend).
+pub fn from_plain_cuda<B: Backend, const D: usize>(t: CubeTensor<Runtime>) -> Option<Tensor<B, D>> {
+    cast::<_, B::FloatTensorPrimitive>(t).ok().map(wrap)
+}
+
 /// `kernel` on `inputs` if they are burn-cuda's (plain: at once; fused: queued, after
 /// `prepare(device index)` compiled what it launches), with outputs of `outputs` shapes in
 /// `dtype`; `None` for every other backend.

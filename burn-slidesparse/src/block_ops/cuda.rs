@@ -54,7 +54,7 @@ fn reshaped(t: CubeTensor<Runtime>, dims: Vec<usize>) -> CubeTensor<Runtime> {
 
 /// `linear`'s CUDA pipeline, if it is SlideSparse or quantized on burn-cuda (plain or under
 /// fusion); `None` for a dense or masked layer and on every other backend.
-fn native_linear<B: SlideSparseBackend>(
+pub(crate) fn native_linear<B: SlideSparseBackend>(
     linear: &MaybeSparseLinear<B>,
 ) -> Result<Option<NativeLinear>> {
     Ok(match linear {

@@ -18,7 +18,7 @@
 //! - `cuda.rs` (feature `cuda`): burn-cuda's tensors to this crate's kernels.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod decoder_block;
 mod steps;
 mod with_linear;

@@ -50,30 +50,30 @@ const DECODE_ROWS: usize = 16;
 /// The kernels' parameter block; must match `struct Params` in `kernels/attention.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct Params {
-    q: u64,
-    k: u64,
-    v: u64,
-    o: u64,
-    partial: u64,
-    lse: u64,
-    q_batch: i64,
-    q_row: i64,
-    k_batch: i64,
-    k_row: i64,
-    v_batch: i64,
-    v_row: i64,
-    batch: i32,
-    tq: i32,
-    kv_len: i32,
-    hq: i32,
-    hkv: i32,
-    splits: i32,
-    split_len: i32,
-    scale_log2: f32,
+pub(crate) struct Params {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub partial: u64,
+    pub lse: u64,
+    pub q_batch: i64,
+    pub q_row: i64,
+    pub k_batch: i64,
+    pub k_row: i64,
+    pub v_batch: i64,
+    pub v_row: i64,
+    pub batch: i32,
+    pub tq: i32,
+    pub kv_len: i32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub splits: i32,
+    pub split_len: i32,
+    pub scale_log2: f32,
     /// 0, or where a graph-replayed decode reads the cache's positions before this call (its
     /// length is that plus `kv_len`).
-    kv_len_at: u64,
+    pub kv_len_at: u64,
 }
 
 /// The three kernels of one dtype and head dim.
@@ -240,6 +240,65 @@ fn decode_split(shape: &AttentionShape, sm_count: usize) -> (usize, usize) {
     let tiles_per_split = tiles.div_ceil(wanted);
     let splits = tiles.div_ceil(tiles_per_split);
     (splits, tiles_per_split * TILE)
+}
+
+/// The launches of a decode step's attention inside a CUDA graph (`decode_graph.rs`):
+/// one query per sequence over a cache of up to `longest` positions whose length is read on
+/// the device (`Params::kv_len_at`), the split sized for `longest` (shorter caches leave the
+/// last splits empty). Returns the launches, the parameter block without its pointers, and the
+/// bytes of the merge's workspace. `bf16` or f16, head dim 64 or 128.
+pub(crate) fn graph_decode(
+    index: usize,
+    bf16: bool,
+    (batch, hq, hkv, d): (usize, usize, usize, usize),
+    longest: usize,
+    scale: Option<f32>,
+) -> Result<(Vec<Launch>, Params, usize)> {
+    let shape = AttentionShape {
+        batch,
+        tq: 1,
+        kv_len: longest,
+        hq,
+        hkv,
+        d,
+    };
+    if !is_decode(&shape) || !matches!(d, 64 | 128) {
+        return Err(SlideSparseError::Unsupported {
+            what: "decode attention in a graph".into(),
+            why: format!("{} query heads per KV head, head dim {d}", hq / hkv.max(1)),
+        });
+    }
+    let kernels = kernels(index)?;
+    let variant = kernels.variants[&(bf16, d)];
+    let (splits, split_len) = decode_split(&shape, kernels.sm_count);
+    let rows = batch * hq;
+    let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let params = Params {
+        batch: batch as i32,
+        tq: 1,
+        kv_len: 1,
+        hq: hq as i32,
+        hkv: hkv as i32,
+        splits: splits as i32,
+        split_len: split_len as i32,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        ..Default::default()
+    };
+    let mut launches = vec![Launch {
+        function: variant.decode,
+        grid: (splits as u32, hkv as u32, batch as u32),
+        block: THREADS,
+        smem: decode_smem(d) as u32,
+    }];
+    if splits > 1 {
+        launches.push(Launch {
+            function: variant.reduce,
+            grid: (rows as u32, 1, 1),
+            block: d as u32,
+            smem: (splits * 4) as u32,
+        });
+    }
+    Ok((launches, params, splits * rows * (d + 1) * 4))
 }
 
 /// A tensor as `(handle, batch stride, row stride)` in elements, rows of `heads * d`

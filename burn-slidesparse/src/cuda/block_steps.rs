@@ -90,25 +90,33 @@ pub fn prepare(index: usize) -> Result<()> {
 }
 
 /// Threads of an RMSNorm CTA (`NORM_THREADS` in `kernels/rms_norm.cu`).
-const NORM_THREADS: u32 = 256;
+pub(crate) const NORM_THREADS: u32 = 256;
+
+/// The RMSNorm and RoPE kernels of device `index` for bf16 (or f16), for a decode step's
+/// graph (`decode_graph.rs`), which launches them with its own parameter blocks.
+pub(crate) fn norm_and_rope(index: usize, bf16: bool) -> Result<(sys::CUfunction, sys::CUfunction)> {
+    let functions = kernels(index)?.functions[&bf16];
+    Ok((functions.rms_norm, functions.rope_cache))
+}
 
 /// Must match `NormParams` in `kernels/rms_norm.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct NormParams {
-    x: u64,
-    delta: u64,
-    gamma: u64,
-    sum: u64,
-    out: u64,
-    rows: i32,
-    width: i32,
-    eps: f32,
+pub(crate) struct NormParams {
+    pub x: u64,
+    pub delta: u64,
+    pub gamma: u64,
+    pub sum: u64,
+    pub out: u64,
+    pub rows: i32,
+    pub width: i32,
+    pub eps: f32,
     /// 0, or the normed rows' INT8 codes `[rows, codes_stride]` and their f32 scales (a decode
-    /// step's quantization fused into the norm).
-    codes: u64,
-    scales: u64,
-    codes_stride: i32,
+    /// step's quantization fused into the norm; the vector path only: width a multiple of 8
+    /// up to 8192, 16-byte aligned rows).
+    pub codes: u64,
+    pub scales: u64,
+    pub codes_stride: i32,
 }
 
 /// Must match `GateParams` in `kernels/silu_mul.cu`.
@@ -124,25 +132,25 @@ struct GateParams {
 /// Must match `RopeParams` in `kernels/rope_cache.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct RopeParams {
-    qkv: u64,
-    table: u64,
-    q: u64,
-    k: u64,
-    v: u64,
-    batch: i32,
-    t: i32,
-    hq: i32,
-    hkv: i32,
-    d: i32,
-    start: i32,
-    capacity: i32,
+pub(crate) struct RopeParams {
+    pub qkv: u64,
+    pub table: u64,
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub batch: i32,
+    pub t: i32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub d: i32,
+    pub start: i32,
+    pub capacity: i32,
     /// The table's strides in elements: it is read where it stands, however it is laid out
     /// (burn's `RotaryEncoding` builds a strided one, and a copy of all `max_len` rows per
     /// call cost more than the rest of the step).
-    table_strides: [i64; 3],
+    pub table_strides: [i64; 3],
     /// 0, or where a graph-replayed step reads `start` on the device.
-    start_at: u64,
+    pub start_at: u64,
 }
 
 type Tensor = CubeTensor<Runtime>;

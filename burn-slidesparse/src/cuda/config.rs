@@ -61,6 +61,9 @@ pub struct Config {
     pub settings: Settings,
     /// `SLIDESPARSE_ALGO_SEARCH`: run `cusparseLtMatmulSearch` for new GEMM shapes.
     pub algo_search: bool,
+    /// `SLIDESPARSE_DECODE_GEMV`: forwards of up to 16 tokens run our weight-streaming GEMV
+    /// (`gemv.rs`) where the layer has one (INT8 dense, INT8 6:8), not the library GEMM.
+    pub decode_gemv: bool,
     /// Where the search results are kept (`SLIDESPARSE_CACHE_DIR`, `XDG_CACHE_HOME`,
     /// `HOME`), or `None` where none of them is set.
     pub cache_dir: Option<PathBuf>,
@@ -130,6 +133,13 @@ const ALGO_SEARCH: Choice<bool> = Choice {
     default: true,
 };
 
+const DECODE_GEMV: Choice<bool> = Choice {
+    variable: "SLIDESPARSE_DECODE_GEMV",
+    accepted: "on, off, 1, 0",
+    values: &[("on", true), ("1", true), ("off", false), ("0", false)],
+    default: true,
+};
+
 impl Config {
     /// The configuration of this process's environment.
     pub fn from_env() -> Result<Self> {
@@ -154,6 +164,7 @@ impl Config {
                 graphs: GRAPHS.read(lookup(GRAPHS.variable))?,
             },
             algo_search: ALGO_SEARCH.read(lookup(ALGO_SEARCH.variable))?,
+            decode_gemv: DECODE_GEMV.read(lookup(DECODE_GEMV.variable))?,
             cache_dir,
             cusparselt: path("SLIDESPARSE_CUSPARSELT"),
             nccl: path("SLIDESPARSE_NCCL"),

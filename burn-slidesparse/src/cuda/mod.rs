@@ -20,8 +20,11 @@
 //!    launches);
 //! 4. device: `state` (per-device state), `memory` (allocations checked against free
 //!    memory);
-//! 5. operations: `gemm` (the two library GEMMs behind one trait), `pipeline` (the one
-//!    forward: quant(+lift) -> GEMM -> epilogue), `prepare` (building a layer once),
+//! 5. operations: `gemm` (the two library GEMMs behind one trait), `gemv` (our
+//!    weight-streaming GEMV of forwards of up to 16 tokens), `pipeline` (the one forward:
+//!    quant(+lift) -> GEMM -> epilogue, or quant -> GEMV), `prepare` (building a layer once),
+//!    `decode_step` (the kernels only a decode step's graph launches), `decode_graph` (a
+//!    whole decode step as one CUDA graph),
 //!    `attention` (flash attention), `block_steps` (RMSNorm, SiLU-gated product, RoPE and
 //!    the cache write), `nccl_ranks` and `burn_ranks` (tensor-parallel collectives);
 //! 6. benchmark tools: `gate` (a stream gate), `profiler` (profiler ranges).
@@ -124,7 +127,10 @@ internal_modules!(
     cupti,
     cusparselt,
     driver,
+    decode_graph,
+    decode_step,
     gemm,
+    gemv,
     graphs,
     launch,
     memory,

@@ -7,6 +7,10 @@
 //! 2. the layer's [`LayerGemm`]: `acc [M_pad, N_pad] = codes . W^T`;
 //! 3. CubeCL epilogue: `Y [M, N] = acc * s_x * s_w + b` in `X`'s float dtype.
 //!
+//! A forward of up to 16 tokens of a layer with a GEMV (`gemv.rs`: INT8 dense or 6:8) runs
+//! the quantization (no lift) and the GEMV, whose epilogue is fused: two launches instead of
+//! three, and a kernel that streams the weight at the memory's pace.
+//!
 //! Buffers come from cubecl's memory pool (decode-sized intermediates are kept per thread,
 //! `buffers.rs`); their reuse is ordered on burn's stream behind the GEMM.
 
@@ -19,9 +23,12 @@ use cubecl::server::Handle;
 use super::{
     accumulator::Accumulator,
     buffers::ForwardScratch,
+    config::config,
     gemm::{GemmBuffers, LayerGemm},
+    gemv::{Gemv, GemvParams, MAX_TOKENS},
     launch::{launch_epilogue, launch_quant_lift},
     memory::ensure_fits,
+    queued::{Call, lanes, submit},
     runtime::{Client, Runtime},
     state::DeviceState,
 };
@@ -72,6 +79,9 @@ pub struct GpuLayer<G> {
     pub(crate) scale: Handle,
     /// The bias `[N]` (f32), if any.
     pub(crate) bias: Option<Handle>,
+    /// Our GEMV for forwards of up to 16 tokens (INT8 layers with `SLIDESPARSE_DECODE_GEMV`
+    /// on).
+    pub(crate) gemv: Option<Arc<Gemv>>,
     pub(crate) state: Arc<Mutex<DeviceState>>,
 }
 
@@ -107,6 +117,9 @@ impl<G: LayerGemm> GpuLayer<G> {
                 q.k,
                 k,
             ));
+        }
+        if let Some(gemv) = self.gemv.as_ref().filter(|_| m <= MAX_TOKENS) {
+            return self.forward_gemv(gemv, &x, m);
         }
         let client = x.client.clone();
         let (precision, dtype) = (self.precision, x.dtype);
@@ -155,6 +168,58 @@ impl<G: LayerGemm> GpuLayer<G> {
         ))
     }
 
+    /// `Y [m, n]` through the GEMV: the token codes (no lift: the GEMV reads each kept weight
+    /// with the activation at its own position), then the GEMV with its epilogue.
+    fn forward_gemv(
+        &self,
+        gemv: &Gemv,
+        x: &CubeTensor<Runtime>,
+        m: usize,
+    ) -> Result<CubeTensor<Runtime>> {
+        let client = x.client.clone();
+        let (precision, dtype) = (self.precision, x.dtype);
+        let m_pad = m_pad(m, precision);
+        let columns = gemv.x_columns();
+        let scratch_sizes = [m_pad * columns, m_pad * 4, 16];
+        let out_bytes = m * self.n * dtype.size();
+        let ([codes, token_scales, _], out) =
+            self.scratch(&client, m, scratch_sizes, out_bytes, "GEMV")?;
+        let k = self.quant.k;
+        launch_quant_lift(
+            &client,
+            &x.handle,
+            &codes.handle,
+            &token_scales.handle,
+            (m, m_pad, k, k, columns),
+            0,
+            precision,
+            dtype,
+        )?;
+        let index = x.device.index;
+        let (launch, params) = gemv.launch(index, m, dtype, 0)?;
+        let params = GemvParams {
+            x_stride: columns as i32,
+            y_stride: self.n as i32,
+            ..params
+        };
+        let call = GemvCall {
+            x: codes.handle.clone(),
+            sx: token_scales.handle.clone(),
+            sw: self.scale.clone(),
+            bias: self.bias.clone(),
+            y: out.clone(),
+            out_halves: out_bytes / 2,
+        };
+        submit(&*lanes(index)?, &client, params, vec![launch], call)?;
+        Ok(CubeTensor::new_contiguous(
+            client,
+            x.device.clone(),
+            Shape::new([m, self.n]),
+            out,
+            dtype,
+        ))
+    }
+
     /// The buffers of one forward of `m` tokens (`m_pad` rows): the intermediate ones
     /// (`[codes, token scales, accumulator]`, kept by this thread's lane at decode sizes)
     /// and a fresh `[m, n]` output of `dtype`, once their total is known to fit.
@@ -171,18 +236,71 @@ impl<G: LayerGemm> GpuLayer<G> {
             m_pad * self.n_pad * accumulator.bytes(),
         ];
         let out_bytes = m * self.n * dtype.size();
+        self.scratch(client, m, scratch_sizes, out_bytes, "forward")
+    }
+
+    /// This thread's lane's scratch of `sizes` and a fresh output of `out_bytes`, once their
+    /// total is known to fit.
+    fn scratch(
+        &self,
+        client: &Client,
+        m: usize,
+        sizes: [usize; 3],
+        out_bytes: usize,
+        what: &str,
+    ) -> Result<(ForwardScratch, Handle)> {
         ensure_fits(
             client,
             &self.state,
-            scratch_sizes.iter().sum::<usize>() + out_bytes,
-            || format!("{} forward of {m} tokens", G::LAYER),
+            sizes.iter().sum::<usize>() + out_bytes,
+            || format!("{} {what} of {m} tokens", G::LAYER),
         )?;
         let scratch = {
             let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
             let mut lanes = state.lanes.lock().unwrap_or_else(|e| e.into_inner());
-            lanes.current().scratch.for_forward(client, scratch_sizes)?
+            lanes.current().scratch.for_forward(client, sizes)?
         };
         Ok((scratch, client.empty(out_bytes)))
     }
+}
+
+/// The handles a GEMV forward reads and writes (the weight's pointers are in the parameter
+/// block: the layer holds them).
+struct GemvCall {
+    x: Handle,
+    sx: Handle,
+    sw: Handle,
+    bias: Option<Handle>,
+    y: Handle,
+    /// The output's size in 16-bit halves (NaN-filled if the launch fails).
+    out_halves: usize,
+}
+
+impl Call for GemvCall {
+    type Params = GemvParams;
+
+    fn resolve(
+        &self,
+        p: &mut GemvParams,
+        ptr: &mut dyn FnMut(&Handle) -> Result<u64>,
+    ) -> Result<()> {
+        p.x = ptr(&self.x)?;
+        p.sx = ptr(&self.sx)?;
+        p.sw = ptr(&self.sw)?;
+        p.y = ptr(&self.y)?;
+        if let Some(bias) = &self.bias {
+            p.bias = ptr(bias)?;
+        }
+        Ok(())
+    }
+
+    fn outputs(&self, p: &GemvParams) -> Vec<(u64, usize)> {
+        vec![(p.y, self.out_halves)]
+    }
+}
+
+/// Whether new layers get a GEMV: `SLIDESPARSE_DECODE_GEMV` (on unless set off).
+pub(crate) fn gemv_enabled() -> Result<bool> {
+    Ok(config()?.decode_gemv)
 }

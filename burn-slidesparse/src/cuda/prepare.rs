@@ -9,18 +9,20 @@ use cubecl::server::Handle;
 
 use super::{
     buffers::HeldBuffer,
-    driver::DeviceBuffer,
     cusparselt::{self, MatDescriptor},
+    driver::DeviceBuffer,
     gemm::{DenseGemm, SparseGemm},
+    gemv::Gemv,
     memory::ensure_fits,
-    pipeline::{GpuLayer, QuantShape},
+    pipeline::{GpuLayer, QuantShape, gemv_enabled},
     runtime::{Client, device_ptr, sync_burn_stream},
     state::{DeviceState, device_state},
 };
 use crate::{
-    pack::LayerSpec,
+    compact::CompactCodes,
     error::{Result, SlideSparseError},
-    weight_quant::{Precision, QuantizedWeight},
+    pack::LayerSpec,
+    weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
 /// Rows of cuSPARSELt's structured matrix must be a multiple of this (32 for 8-bit types,
@@ -147,6 +149,7 @@ impl GpuLayer<SparseGemm> {
             precision.element_bytes(),
         );
         let compressed = compress(client, &state, &bytes, (k_prime, n_pad), precision)?;
+        let gemv = sparse_gemv(client, spec, weight)?;
         let mut alpha = scales.to_vec();
         alpha.resize(n_pad, 0.0);
         let (scale, bias) = scale_and_bias(client, scales, bias);
@@ -169,9 +172,33 @@ impl GpuLayer<SparseGemm> {
             precision,
             scale,
             bias,
+            gemv,
             state,
         })
     }
+}
+
+/// The GEMV of a 6:8 INT8 layer (its compact tiles, from the slid codes), where it is on;
+/// `None` for other patterns and precisions (the library GEMM at every size).
+fn sparse_gemv(
+    client: &Client,
+    spec: LayerSpec,
+    weight: &QuantizedWeight,
+) -> Result<Option<Arc<Gemv>>> {
+    let WeightCodes::I8(codes) = &weight.codes else {
+        return Ok(None);
+    };
+    if spec.pattern.block_len() != 8 || !gemv_enabled()? {
+        return Ok(None);
+    }
+    let compact = CompactCodes::from_slid(
+        codes,
+        spec.out_features,
+        &spec.geometry(),
+        spec.pattern,
+        "SlideSparseLinear weight",
+    )?;
+    Ok(Some(Arc::new(Gemv::compact(client, &compact)?)))
 }
 
 /// Checks that `dense` (the bytes of a `[n_pad, k']` 2:4 weight) is valid 2:4 and
@@ -256,9 +283,13 @@ impl GpuLayer<DenseGemm> {
         })?;
         let bytes = padded(bytes, (n, k), (n_pad, k_pad), elem);
         let (scale, bias) = scale_and_bias(client, scales, bias);
+        let weight = HeldBuffer::new(client, client.create_from_slice(&bytes))?;
+        // The GEMV reads the GEMM's own copy: rows of `k_pad` codes, zeros past `k`.
+        let gemv = (precision == Precision::Int8 && gemv_enabled()?)
+            .then(|| Arc::new(Gemv::dense(weight.ptr, n, k_pad, k_pad)));
         Ok(Self {
             gemm: DenseGemm {
-                weight: HeldBuffer::new(client, client.create_from_slice(&bytes))?,
+                weight,
                 n_pad,
                 k_pad,
                 precision,
@@ -274,6 +305,7 @@ impl GpuLayer<DenseGemm> {
             precision,
             scale,
             bias,
+            gemv,
             state: Arc::clone(&state),
         })
     }
