@@ -360,7 +360,9 @@ fn check_tensor_shape(name: &str, view: &TensorView<'_>, expected: &[usize]) -> 
     Ok(())
 }
 
-/// Reads one float tensor of any float dtype (F32, F16, BF16) as f32.
+/// Reads a safetensors tensor of a float dtype (F32, F16, BF16) as f32 values, as the packer
+/// reads a checkpoint's weights (for [`pack_linear`](crate::pack_linear) of a tensor of
+/// one's own); another dtype is [`SlideSparseError::UnsupportedDtype`] naming `name`.
 pub fn read_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>> {
     let data = view.data();
     Ok(match view.dtype() {

@@ -76,7 +76,7 @@ pub use cube::CubePrepared;
 #[cfg(feature = "cuda")]
 pub use decode_graph::{DecodeGraph, DecodeModel};
 pub use error::{Result, SlideSparseError};
-pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, save_layers};
+pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, read_f32, save_layers};
 #[cfg(feature = "fusion")]
 pub use fusion::FusionPrepared;
 pub use load::{load_file, load_packed, load_packed_file, load_record};

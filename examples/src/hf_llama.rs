@@ -18,12 +18,14 @@ use burn::{
     nn::{Embedding, RmsNorm},
     tensor::{Tensor, TensorData, backend::Backend},
 };
-use burn_slidesparse::{PackedFile, PackedLinear, SlideSparseError, WeightCodes, load_packed};
+use burn_slidesparse::{
+    PackedFile, PackedLinear, SlideSparseError, WeightCodes, load_packed, read_f32,
+};
 
 use crate::{
     gguf_llama::linear_from_rows,
     llama::{Llama, LlamaConfig, tied_head},
-    safetensors_io::{F32Tensor, read_f32, write_f32_safetensors},
+    safetensors_io::{F32Tensor, write_f32_safetensors},
 };
 
 fn err(what: impl std::fmt::Display) -> SlideSparseError {

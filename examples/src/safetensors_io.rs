@@ -1,39 +1,12 @@
-//! Plain float safetensors files, the way the examples read and write Hugging Face
-//! checkpoints: tensors of any float dtype read as f32, and f32 tensors written to a file
-//! atomically (a temporary file in the same folder, then a rename). Packed SlideSparse files
-//! have their own API (`PackedFile::load`, `PackedFile::save`, `save_layers`).
+//! Writing plain f32 safetensors files (Hugging Face checkpoints) for the examples, atomically:
+//! a temporary file in the same folder, synced, then renamed. Reading one is the library's
+//! `read_f32`; packed SlideSparse files have their own API (`PackedFile::load`,
+//! `PackedFile::save`, `save_layers`).
 
 use std::{collections::HashMap, io::Write, path::Path};
 
 use burn_slidesparse::SlideSparseError;
-use half::{bf16, f16};
-use safetensors::{Dtype, View, tensor::TensorView};
-
-/// The values of a F32, F16 or BF16 tensor as f32 (`name` for the error of another dtype).
-pub fn read_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, SlideSparseError> {
-    let data = view.data();
-    Ok(match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(SlideSparseError::UnsupportedDtype {
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-                context: "expected F32, F16 or BF16".into(),
-            });
-        }
-    })
-}
+use safetensors::{Dtype, View};
 
 /// An f32 tensor to write: its name, shape (row-major) and values.
 pub struct F32Tensor {

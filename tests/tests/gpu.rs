@@ -397,6 +397,19 @@ impl Drop for DefaultOrderingOnDrop {
     }
 }
 
+/// Asserts that the current cubecl stream's work on device 0 is ordered on burn's own stream
+/// (CUPTI found it), not by host synchronization around it.
+fn assert_on_burns_stream(client: &burn_slidesparse::cuda::runtime::Client) {
+    use burn_slidesparse::cuda::{SyncMode, queued::lanes};
+    let (used, why) = lanes(0)
+        .unwrap()
+        .lock()
+        .unwrap()
+        .current()
+        .ordering(client, SyncMode::Stream);
+    assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
+}
+
 /// The default no-sync ordering (the GEMM on burn's own stream, found through CUPTI) against
 /// host synchronization, on a chain of SlideSparse and dense layers queued back to back with
 /// no synchronization at all: each forward reads the previous one's output, so a GEMM that
@@ -405,7 +418,7 @@ impl Drop for DefaultOrderingOnDrop {
 #[ignore = "needs an NVIDIA GPU and cuSPARSELt"]
 fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     use burn_slidesparse::{
-        cuda::{DenseLayerGpu, SyncMode, queued::lanes, state::update_settings},
+        cuda::{DenseLayerGpu, SyncMode, state::update_settings},
         internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -455,13 +468,7 @@ fn stream_ordering_is_bit_identical_to_host_sync_on_a_chain_of_layers() {
     };
     let host = run(SyncMode::Host);
     let stream = run(SyncMode::Stream);
-    let (used, why) = lanes(0)
-        .unwrap()
-        .lock()
-        .unwrap()
-        .current()
-        .ordering(&client, SyncMode::Stream);
-    assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
+    assert_on_burns_stream(&client);
     for (i, (h, s)) in host.iter().zip(&stream).enumerate() {
         assert!(
             h.iter().all(|v| v.is_finite()),
@@ -716,11 +723,7 @@ fn a_queued_failure_reaches_only_the_stream_that_queued_it() {
 
     use burn_slidesparse::{
         AttentionOptions, SlideSparseError, causal_attention,
-        cuda::{
-            GraphMode, SyncMode,
-            queued::{fail_next_queued_launch, lanes},
-            state::update_settings,
-        },
+        cuda::{GraphMode, SyncMode, queued::fail_next_queued_launch, state::update_settings},
     };
     let _restore = DefaultOrderingOnDrop;
     update_settings(0, |s| {
@@ -782,17 +785,7 @@ fn a_queued_failure_reaches_only_the_stream_that_queued_it() {
                 assert_eq!(forward().unwrap(), layer_bits, "thread {t}: replay");
                 let attention_bits = attend().unwrap();
                 let client = CudaRuntime::client(&device);
-                let (used, why) = lanes(0)
-                    .unwrap()
-                    .lock()
-                    .unwrap()
-                    .current()
-                    .ordering(&client, SyncMode::Stream);
-                assert_eq!(
-                    used,
-                    SyncMode::Stream,
-                    "needs CUPTI (queued launches): {why:?}"
-                );
+                assert_on_burns_stream(&client);
                 for (what, run, bits) in [
                     ("layer", &forward as &dyn Fn() -> _, &layer_bits),
                     ("attention", &attend, &attention_bits),
@@ -1392,7 +1385,7 @@ fn fusion_backend_matches_the_reference_for_every_pattern_and_precision() {
 fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
     use burn_slidesparse::{
         QuantizedLinear,
-        cuda::{SyncMode, queued::lanes, state::update_settings},
+        cuda::{SyncMode, state::update_settings},
         internals::weight_quant::quantize_weight,
     };
     let _restore = DefaultOrderingOnDrop;
@@ -1438,13 +1431,7 @@ fn fusion_ordering_without_host_sync_is_bit_identical_to_host_sync() {
     let host = run(SyncMode::Host);
     let stream = run(SyncMode::Stream);
     let client = CudaRuntime::client(&device);
-    let (used, why) = lanes(0)
-        .unwrap()
-        .lock()
-        .unwrap()
-        .current()
-        .ordering(&client, SyncMode::Stream);
-    assert_eq!(used, SyncMode::Stream, "fell back to host sync: {why:?}");
+    assert_on_burns_stream(&client);
     for (i, (h, s)) in host.iter().zip(&stream).enumerate() {
         assert!(
             h.iter().all(|v| v.is_finite()),
