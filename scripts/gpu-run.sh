@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|layer|quant|host|decode|fusion|attention|model|collective|profile] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|layer|quant|host|decode|fusion|attention|model|collective|profile] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
@@ -49,7 +49,7 @@ save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests; do
+  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests; do
     ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
     echo "$t exit code: $?"
     grep -E "^test |test result|panicked|rel err|error" "$OUT/$t.log" | tail -30
@@ -63,6 +63,16 @@ for mode in gemm layer quant host decode fusion attention; do
     cat "$OUT/$mode.md"
   fi
 done
+if [ "$what" = gemv ]; then
+  # The decode GEMV kernels alone (burn-slidesparse/src/cuda/kernels/decode_gemv.cu), built with
+  # the host's nvcc: checked bit for bit against the CPU, timed against cuBLASLt and a plain read.
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
+    -I burn-slidesparse/src/cuda/kernels scripts/bench-gemv.cu -lcublasLt -o /tmp/bench-gemv \
+    > "$OUT/gemv.err" 2>&1 && /tmp/bench-gemv > "$OUT/gemv.md" 2>> "$OUT/gemv.err"
+  echo "gemv bench exit code: $?"
+  tail -3 "$OUT/gemv.err"
+  cat "$OUT/gemv.md"
+fi
 if [ "$what" = profile ]; then
   ncu --profile-from-start off --clock-control none --cache-control none \
     --metrics gpu__time_duration.sum --csv --print-units base \

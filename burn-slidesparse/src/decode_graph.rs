@@ -141,6 +141,12 @@ impl<B: SlideSparseBackend> DecodeGraph<B> {
         self.engine.set(position, tokens)
     }
 
+    /// Sets the cache position alone (positions `0..position` are filled); the next step reads
+    /// the tokens the last step's argmax wrote, or the ones last set.
+    pub fn set_position(&mut self, position: usize) -> Result<()> {
+        self.engine.set_position(position)
+    }
+
     /// One decode step, queued on burn's stream (no synchronization): the graph of the cache's
     /// bucket replayed (captured on first use).
     pub fn step(&mut self) -> Result<()> {
@@ -151,6 +157,12 @@ impl<B: SlideSparseBackend> DecodeGraph<B> {
     /// tests compare the two).
     pub fn step_without_graph(&mut self) -> Result<()> {
         self.engine.run_direct()
+    }
+
+    /// Whether the step ends with the head and the greedy argmax (the next step's tokens
+    /// then follow on the device).
+    pub fn has_head(&self) -> bool {
+        self.engine.has_head()
     }
 
     /// Cache positions filled before the next step.

@@ -83,6 +83,11 @@ pub(crate) struct Args {
     /// (`--tp-simulate`); `--collective burn` has no per-rank form.
     #[arg(long)]
     pub(crate) rank_threads: bool,
+    /// Also time each decode batch with the model's whole step replayed as one CUDA graph
+    /// (`Llama::decode_graph`: plain backend, INT8 linears), as the rows `VARIANT/graph`, in
+    /// the same process right after the operations' step.
+    #[arg(long)]
+    pub(crate) decode_graph: bool,
 }
 
 /// The shapes of a named model with `layers` blocks.
@@ -105,11 +110,18 @@ pub(crate) fn list(s: &str) -> Vec<usize> {
     s.split(',').filter_map(|v| v.trim().parse().ok()).collect()
 }
 
-/// The table's rows: each variant, followed by its `/apart` row under `--compare-apart`.
+/// The table's rows: each variant, followed by its `/apart` row under `--compare-apart` and
+/// its `/graph` row under `--decode-graph`.
 pub(crate) fn rows(args: &Args, variants: &[String]) -> Vec<String> {
     variants
         .iter()
-        .flat_map(|v| [Some(v.clone()), args.compare_apart.then(|| apart(v))])
+        .flat_map(|v| {
+            [
+                Some(v.clone()),
+                args.compare_apart.then(|| apart(v)),
+                args.decode_graph.then(|| format!("{v}/graph")),
+            ]
+        })
         .flatten()
         .collect()
 }

@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, time::Instant};
 
 use burn::tensor::{Distribution, Int, Tensor, backend::Backend};
 use burn_slidesparse::{
-    SlideSparseBackend,
+    DecodeGraph, SlideSparseBackend,
     cuda::{memory::graph_report, profiler::profiler_range},
 };
 use slidesparse_examples::llama::{KvCache, Llama};
@@ -127,6 +127,84 @@ impl<'m, B: SlideSparseBackend> Decoder<'m, B> {
     }
 }
 
+impl<B: SlideSparseBackend> Decoder<'_, B> {
+    /// [`run`](Self::run) with the model's decode step replayed as one CUDA graph
+    /// (`Llama::decode_graph`, built once over the prefilled cache): with an INT8 head the
+    /// steps chain on the device (each step's argmax is the next one's token); with a bf16
+    /// head each step sets its token and the head runs on the graph's output, as the
+    /// operations' step computes its logits.
+    fn run_graph(&mut self, graph: &mut DecodeGraph<B>, host: bool) -> f64 {
+        let device = Default::default();
+        let start = Instant::now();
+        let mut queued = 0.0;
+        let chained = graph.has_head();
+        for (s, tokens) in self.tokens.iter().enumerate() {
+            let t0 = Instant::now();
+            if s == 0 || !chained {
+                graph
+                    .set(self.context + s, &host_tokens(tokens))
+                    .expect("set the step's tokens");
+            }
+            graph.step().expect("decode graph step");
+            if !chained {
+                let hidden = graph.hidden().expect("the step's output");
+                let _ = self.model.lm_head.forward(hidden);
+            }
+            queued += t0.elapsed().as_secs_f64();
+            if host {
+                B::sync(&device).unwrap();
+            }
+        }
+        B::sync(&device).unwrap();
+        let total = start.elapsed().as_secs_f64();
+        1e3 / self.tokens.len() as f64 * if host { queued } else { total }
+    }
+}
+
+/// A `[b, 1]` token tensor's ids on the host (read once, before timing).
+fn host_tokens<B: Backend>(tokens: &Tensor<B, 2, Int>) -> Vec<u32> {
+    tokens
+        .to_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .expect("int tokens")
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
+}
+
+/// [`decode_ms`] with the decode step as one CUDA graph: `None` where the model's step has
+/// no graph (the reason printed).
+pub(crate) fn decode_graph_ms<B: SlideSparseBackend>(
+    model: &Llama<B>,
+    (b, context): (usize, usize),
+    steps: usize,
+    vocab: usize,
+    reps: usize,
+) -> Option<(f64, f64, usize)> {
+    let mut decoder = Decoder::new(model, (b, context), steps, vocab);
+    let mut graph = match model.decode_graph(&decoder.cache) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("decode graph: not for this model: {e}");
+            return None;
+        }
+    };
+    let launches = graph.launches_per_step().unwrap_or(0);
+    decoder.run_graph(&mut graph, false);
+    let device_ms = median(
+        (0..reps)
+            .map(|_| decoder.run_graph(&mut graph, false))
+            .collect(),
+    );
+    let host_ms = median(
+        (0..reps.min(3))
+            .map(|_| decoder.run_graph(&mut graph, true))
+            .collect(),
+    );
+    Some((device_ms, host_ms, launches))
+}
+
 /// Median ms per decode step at batch `b` with `context` tokens per sequence in the cache
 /// (each run decodes `steps` tokens back to back and rewinds the cache to the context), and
 /// the host's ms per step (the time to queue a step when the device is idle). With
@@ -195,5 +273,17 @@ pub(crate) fn measure<B: SlideSparseBackend>(
         eprintln!("{name}: decode batch {b}: GEMM graphs and calls so far: {report}");
         results.insert((name.into(), format!("decode {b}")), ms);
         results.insert((name.into(), format!("host {b}")), host);
+        if args.decode_graph
+            && let Some((ms, host, launches)) =
+                decode_graph_ms(model, (b, args.context), args.steps, vocab, args.reps)
+        {
+            eprintln!(
+                "{name}/graph: decode batch {b}: {ms:.3} ms/step ({:.0} tok/s), host {host:.3} ms/step, {launches} launches a step",
+                b as f64 / ms * 1e3
+            );
+            let graph = format!("{name}/graph");
+            results.insert((graph.clone(), format!("decode {b}")), ms);
+            results.insert((graph, format!("host {b}")), host);
+        }
     }
 }

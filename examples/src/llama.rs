@@ -460,6 +460,66 @@ impl<B: SlideSparseBackend> Llama<B> {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl<B: SlideSparseBackend> Llama<B> {
+    /// The model's decode step over `cache` as one CUDA graph (`burn_slidesparse::DecodeGraph`):
+    /// fused projections, INT8 SlideSparse or quantized linears, burn-cuda's plain backend.
+    /// The head runs inside the graph (with the greedy argmax) when it is an INT8 layer;
+    /// otherwise the graph ends with the final norm's output and the caller applies the head.
+    /// Positions `0..cache.len()` are the prompt's; the graph's first step follows them. Build
+    /// it after the prefill (the cache must not grow while the graph lives).
+    pub fn decode_graph(
+        &self,
+        cache: &KvCache<B>,
+    ) -> burn_slidesparse::Result<burn_slidesparse::DecodeGraph<B>> {
+        let unsupported = |why: &str| burn_slidesparse::SlideSparseError::Unsupported {
+            what: "decode graph of the example model".into(),
+            why: why.into(),
+        };
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for block in &self.blocks {
+            let (Projections::Fused(qkv), Projections::Fused(gate_up)) =
+                (&block.attn_in, &block.mlp_in)
+            else {
+                return Err(unsupported("separate projections (call fuse_projections)"));
+            };
+            blocks.push(DecoderBlock {
+                attn_norm: &block.attn_norm,
+                qkv,
+                o: &block.o,
+                mlp_norm: &block.mlp_norm,
+                gate_up,
+                down: &block.down,
+            });
+        }
+        let caches = cache
+            .layers
+            .iter()
+            .map(|slot| slot.as_ref().map(|(k, v)| (k, v)))
+            .collect::<Option<Vec<_>>>()
+            .filter(|c| c.len() == self.blocks.len())
+            .ok_or_else(|| unsupported("an empty cache (run the prompt first)"))?;
+        let head = matches!(
+            self.lm_head,
+            MaybeSparseLinear::Sparse(_) | MaybeSparseLinear::Quantized(_)
+        )
+        .then_some(&self.lm_head);
+        let embedding = self.embed.weight.val();
+        let mut graph = burn_slidesparse::DecodeGraph::new(burn_slidesparse::DecodeModel {
+            embedding: &embedding,
+            blocks,
+            caches,
+            final_norm: &self.norm,
+            head,
+            rope: &self.rope,
+            heads: (self.heads, self.kv_heads),
+            scale: None,
+        })?;
+        graph.set_position(cache.len())?;
+        Ok(graph)
+    }
+}
+
 /// What a block's attention needs of the model: the rotary table and the head counts.
 #[derive(Clone, Copy)]
 struct BlockAttention<'a, B: Backend> {

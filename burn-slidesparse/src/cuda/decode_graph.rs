@@ -425,6 +425,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Sets the cache position alone (the tokens stay: the argmax's, or the last ones set).
+    pub fn set_position(&mut self, position: usize) -> Result<()> {
+        self.check_room(position)?;
+        let position_at = self.buffers.position;
+        let value = position as u32;
+        self.on_burn_stream(move |stream| {
+            // SAFETY: our position buffer, alive while the engine is.
+            unsafe { sys::cuMemsetD32Async(position_at, value, 1, stream) }
+                .result()
+                .map_err(driver_err("cuMemsetD32Async"))
+        })?;
+        self.position = position;
+        Ok(())
+    }
+
     fn check_room(&self, position: usize) -> Result<()> {
         if position >= self.dims.capacity {
             return Err(SlideSparseError::shape(
