@@ -2,7 +2,7 @@
 //!
 //! A decode step of the example model is bound by the host's queuing, not by the GPU: the
 //! thread that runs a rank's operations spends about as long queuing a step as the GPU
-//! spends on it (`docs/benchmarks.md` section 5b). One thread driving every rank would
+//! spends on it (`docs/decisions/tensor-parallel.md`). One thread driving every rank would
 //! queue `R` ranks' steps one after the other; here each rank's thread runs its rank's
 //! whole step, and the ranks meet only at the all-reduces.
 //!
