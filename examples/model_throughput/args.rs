@@ -5,7 +5,7 @@ use slidesparse_examples::llama::LlamaConfig;
 
 #[derive(Parser)]
 pub(crate) struct Args {
-    /// `llama3-8b` or `qwen2.5-7b`.
+    /// `llama3-8b`, `qwen2.5-7b` or `smollm2-135m`.
     #[arg(long, default_value = "llama3-8b")]
     pub(crate) model: String,
     /// Decoder blocks to build (the full models have 32 and 28).
@@ -95,7 +95,13 @@ pub(crate) fn config(name: &str, layers: usize) -> Result<LlamaConfig, String> {
     let (vocab, hidden, intermediate, heads, kv_heads, tie, bias) = match name {
         "llama3-8b" => (128_256, 4096, 14_336, 32, 8, false, false),
         "qwen2.5-7b" => (152_064, 3584, 18_944, 28, 4, false, true),
-        other => return Err(format!("unknown model {other}: llama3-8b or qwen2.5-7b")),
+        // SmolLM2-135M (the generate example's model), its head tied to the embedding.
+        "smollm2-135m" => (49_152, 576, 1536, 9, 3, true, false),
+        other => {
+            return Err(format!(
+                "unknown model {other}: llama3-8b, qwen2.5-7b or smollm2-135m"
+            ));
+        }
     };
     Ok(
         LlamaConfig::new(vocab, hidden, intermediate, layers, heads, kv_heads)

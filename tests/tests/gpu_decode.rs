@@ -59,15 +59,30 @@ fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
     (err / norm.max(1e-30)).sqrt()
 }
 
-/// A random `k -> n` linear with bias, packed 6:8 INT8 and quantized dense INT8, on `B`.
-fn linears<B: SlideSparseBackend>(
+/// `values` as `dtype` holds them (bf16-rounded for bf16): what both sides of a comparison
+/// start from.
+fn rounded(values: Vec<f32>, dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => values
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_f32())
+            .collect(),
+        _ => values,
+    }
+}
+
+/// A random `k -> n` linear with bias, packed 6:8 INT8 and quantized dense INT8, on `B`; its
+/// weights are `dtype`'s rounding of `seed`'s values, whatever `B`'s own dtype (`as_if`).
+fn linears_as<B: SlideSparseBackend>(
     (k, n): (usize, usize),
-    dtype: DType,
+    (dtype, as_if): (DType, DType),
     seed: u64,
 ) -> Vec<(&'static str, MaybeSparseLinear<B>)> {
     let mut linear: Linear<B> = LinearConfig::new(k, n).init(&Default::default());
-    linear.weight = Param::from_tensor(tensor(&values(seed, n * k), [k, n], dtype));
-    linear.bias = Some(Param::from_tensor(tensor(&values(seed + 1, n), [n], dtype)));
+    let weight = rounded(values(seed, n * k), as_if);
+    let bias = rounded(values(seed + 1, n), as_if);
+    linear.weight = Param::from_tensor(tensor(&weight, [k, n], dtype));
+    linear.bias = Some(Param::from_tensor(tensor(&bias, [n], dtype)));
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
     vec![
         (
@@ -85,6 +100,15 @@ fn linears<B: SlideSparseBackend>(
     ]
 }
 
+/// [`linears_as`] in `dtype` itself.
+fn linears<B: SlideSparseBackend>(
+    (k, n): (usize, usize),
+    dtype: DType,
+    seed: u64,
+) -> Vec<(&'static str, MaybeSparseLinear<B>)> {
+    linears_as((k, n), (dtype, dtype), seed)
+}
+
 /// Every token count the GEMV takes (1..=16, both of its kernels) on shapes with ragged rows,
 /// K in whole units, units and a tail, and a tail alone; f32 and bf16 outputs; against the
 /// reference backend on the same packed layer.
@@ -94,7 +118,8 @@ fn gemv_layers<B: SlideSparseBackend>(dtype: DType, tol: f64, seed: u64) {
         .enumerate()
     {
         let gpu = linears::<B>((k, n), dtype, seed + 10 * i as u64);
-        let cpu = linears::<Cpu>((k, n), DType::F32, seed + 10 * i as u64);
+        // The reference from the same (16-bit-rounded) weights and bias.
+        let cpu = linears_as::<Cpu>((k, n), (DType::F32, dtype), seed + 10 * i as u64);
         for ((kind, g), (_, c)) in gpu.iter().zip(&cpu) {
             for m in [1, 2, 7, 8, 9, 15, 16] {
                 let x = values(seed + 1000 + m as u64, m * k);

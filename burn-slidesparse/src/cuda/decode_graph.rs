@@ -361,14 +361,19 @@ impl Engine {
         let client = model.embedding.client.clone();
         let index = model.embedding.device.index;
         let info = DeviceInfo::of(index)?;
-        // The largest bucket's workspace serves every graph.
-        let (_, _, workspace) = graph_decode(
-            index,
-            bf16,
-            (dims.batch, dims.hq, dims.hkv, dims.d),
-            dims.capacity,
-            model.scale,
-        )?;
+        // One workspace serves every bucket's graph: the largest any bucket needs (the
+        // split count is not monotonic in the cache length).
+        let mut workspace = 0;
+        let mut bucket = MIN_BUCKET.min(dims.capacity);
+        loop {
+            let heads = (dims.batch, dims.hq, dims.hkv, dims.d);
+            workspace = workspace.max(graph_decode(index, bf16, heads, bucket, model.scale)?.2);
+            if bucket == dims.capacity {
+                break;
+            }
+            bucket = (2 * bucket).min(dims.capacity);
+        }
+        check_alignment(&model)?;
         let buffers = Buffers::new(&client, &dims, workspace)?;
         Ok(Self {
             model,
@@ -782,6 +787,26 @@ impl Engine {
     }
 }
 
+/// The 16-bit tensors the fused norms and the embedding read with 16-byte loads must start on
+/// 16 bytes (the norm kernel's quantizing path has no scalar fallback).
+fn check_alignment(model: &StepModel) -> Result<()> {
+    let client = &model.embedding.client;
+    let mut tensors = vec![("embedding", &model.embedding), ("final norm", &model.final_norm.gamma)];
+    for b in &model.blocks {
+        tensors.extend([("attention norm", &b.attn_norm.gamma), ("MLP norm", &b.mlp_norm.gamma)]);
+    }
+    for (what, t) in tensors {
+        let at = device_ptr(client, &t.handle)?;
+        if at % 16 != 0 || !t.is_contiguous() {
+            return Err(SlideSparseError::Unsupported {
+                what: format!("decode graph {what}"),
+                why: "not a contiguous tensor starting on 16 bytes (make it contiguous)".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The device pointer of a handle the engine holds (stable while it is held).
 fn ptr(client: &Client, handle: &Handle) -> Result<u64> {
     device_ptr(client, handle)
@@ -794,6 +819,12 @@ impl Buffers {
             let bytes = bytes.max(16).next_multiple_of(16);
             let handle = if zeroed { client.create_from_slice(&vec![0u8; bytes]) } else { client.empty(bytes) };
             let p = device_ptr(client, &handle)?;
+            if p % 16 != 0 {
+                return Err(SlideSparseError::Unsupported {
+                    what: "decode graph buffer".into(),
+                    why: format!("cubecl returned a buffer at {p:#x}, not on 16 bytes"),
+                });
+            }
             held.push(handle);
             Ok(p)
         };
