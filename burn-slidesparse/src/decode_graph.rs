@@ -22,6 +22,7 @@ use burn::{
     nn::{RmsNorm, RotaryEncoding},
     tensor::{Tensor, backend::Backend},
 };
+use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 
 use crate::{
     backend::SlideSparseBackend,
@@ -29,7 +30,10 @@ use crate::{
         DecoderBlock,
         cuda::{NativeLinear, native_linear},
     },
-    cuda::decode_graph::{Engine, StepBlock, StepLinear, StepModel, StepNorm},
+    cuda::{
+        decode_graph::{Engine, StepBlock, StepLinear, StepModel, StepNorm},
+        runtime::Runtime,
+    },
     error::{Result, SlideSparseError},
     maybe_sparse::MaybeSparseLinear,
     native_ops::{from_plain_cuda, plain_cuda},
@@ -85,9 +89,20 @@ fn linear<B: SlideSparseBackend>(layer: &MaybeSparseLinear<B>, what: &str) -> Re
     }
 }
 
+/// `t` as a contiguous plain burn-cuda tensor: burn-cuda may give a 2-D tensor padded
+/// ("pitched") rows, and the graph's kernels read rows back to back (a copy then, once).
+fn contiguous<B: Backend, const D: usize>(
+    t: &Tensor<B, D>,
+    what: &str,
+) -> Result<CubeTensor<Runtime>> {
+    plain_cuda(t)
+        .map(into_contiguous)
+        .ok_or_else(|| not_plain_cuda(what))
+}
+
 fn norm<B: SlideSparseBackend>(norm: &RmsNorm<B>, what: &str) -> Result<StepNorm> {
     Ok(StepNorm {
-        gamma: plain_cuda(&norm.gamma.val()).ok_or_else(|| not_plain_cuda(what))?,
+        gamma: contiguous(&norm.gamma.val(), what)?,
         eps: norm.epsilon as f32,
     })
 }
@@ -120,7 +135,7 @@ impl<B: SlideSparseBackend> DecodeGraph<B> {
         }
         let batch = model.caches.first().map_or(0, |(k, _)| k.dims()[0]);
         let step = StepModel {
-            embedding: cuda(plain_cuda(model.embedding), "embedding")?,
+            embedding: contiguous(model.embedding, "embedding")?,
             blocks,
             final_norm: norm(model.final_norm, "final norm")?,
             head: model.head.map(|h| linear(h, "head")).transpose()?,

@@ -14,8 +14,6 @@ mod block_ops;
 mod checkpoint;
 mod codes;
 mod collective;
-// Only the CUDA path builds compact weights (decode GEMV); its unit tests run in every build.
-#[cfg(any(test, feature = "cuda"))]
 mod compact;
 mod concat;
 #[cfg(feature = "cubecl")]
@@ -72,6 +70,7 @@ pub use checkpoint::{
 };
 pub use codes::{WeightCodesModule, WeightCodesRecord};
 pub use collective::{Collective, SimulatedRanks};
+pub use compact::{CompactCodes, DecodeTiles, pair_of_rank, pair_rank, rank_bits};
 pub use concat::concat_outputs;
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;
