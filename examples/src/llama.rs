@@ -13,8 +13,8 @@ use burn::{
     tensor::{Int, Tensor, TensorCreationOptions, activation, backend::Backend},
 };
 use burn_slidesparse::{
-    DecoderBlock, MaybeSparseLinear, RopeAttention, SlideSparseBackend, VisitLinears, add_rms_norm,
-    concat_outputs, decoder_block, rms_norm, rope_attention, silu_mul,
+    DecoderBlock, MaybeSparseLinear, PackedFile, RopeAttention, SlideSparseBackend, VisitLinears,
+    add_rms_norm, concat_outputs, decoder_block, rms_norm, rope_attention, silu_mul,
 };
 
 /// Model hyper-parameters.
@@ -666,6 +666,24 @@ impl<B: SlideSparseBackend> Block<B> {
         let [batch, t, _] = qkv.dims();
         let (keys, values, options) = self.attention_step(batch, t, cache, attention, &qkv);
         step("attention", rope_attention(qkv, keys, values, options))
+    }
+}
+
+impl<B: Backend> Llama<B> {
+    /// The model's SlideSparse layers in their portable packed form, each named by the
+    /// model's layer name (`layers.0.qkv_proj`, ...): what `burn_slidesparse::load_packed`
+    /// (with the names as they are) puts into the same model built on another backend, e.g.
+    /// packed on the CPU reference, whose calibration does not depend on the device, and run
+    /// on a GPU. Other layers are left out.
+    pub fn packed_layers(&mut self) -> burn_slidesparse::Result<PackedFile> {
+        let mut layers = Vec::new();
+        self.visit_linears(&mut |name, layer| {
+            if let Some(sparse) = layer.sparse() {
+                layers.push(sparse.to_packed(name)?);
+            }
+            Ok(())
+        })?;
+        Ok(PackedFile { layers })
     }
 }
 

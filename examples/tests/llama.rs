@@ -9,6 +9,7 @@ use burn_slidesparse::{
     PackOptions, Precision, SparsityPattern, VisitLinears, gguf::GgufFile, sparsify,
 };
 use slidesparse_examples::{
+    generation::{DecodePath, Generator},
     gguf_llama::load_llama,
     llama::{KvCache, Llama, LlamaConfig},
 };
@@ -116,6 +117,60 @@ fn kv_cache_gives_the_same_logits_as_a_full_pass() {
             .fold(0f32, f32::max);
         assert!(err < 1e-4, "position {pos}: {err}");
     }
+}
+
+#[test]
+fn generator_steps_give_the_full_pass_logits_and_start_over() {
+    let model = tiny_config().init::<B>(&Default::default());
+    let ids = [1u32, 2, 3, 4, 5, 6];
+    let full = logits(&model, &ids.map(i64::from));
+    let v = 64;
+    let close = |got: Tensor<B, 2>, pos: usize| {
+        let got: Vec<f32> = got.into_data().into_vec().unwrap();
+        let err = got
+            .iter()
+            .zip(&full[pos * v..(pos + 1) * v])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "position {pos}: {err}");
+    };
+    // A graph asked for where none applies (the CPU backend): the forward, with the reason.
+    for graph in [false, true] {
+        let mut generator = Generator::new(&model, ids.len(), graph);
+        assert!(generator.step(1).is_err(), "a step before any prompt");
+        // Twice: a second prefill starts over on the same cache.
+        for _ in 0..2 {
+            close(generator.prefill(&ids[..4]).unwrap(), 3);
+            close(generator.step(ids[4]).unwrap(), 4);
+            close(generator.step(ids[5]).unwrap(), 5);
+        }
+        match (graph, generator.path()) {
+            (false, DecodePath::Forward) | (true, DecodePath::ForwardInstead(_)) => {}
+            (_, path) => panic!("graph {graph}: {path:?}"),
+        }
+    }
+}
+
+#[test]
+fn packed_layers_carry_a_packed_model_into_another_copy() {
+    let dense = tiny_config().init::<B>(&Default::default());
+    let mut packed = dense.clone();
+    sparsify(
+        &mut packed,
+        &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+        |n| n != "lm_head",
+    )
+    .unwrap();
+    packed.fuse_projections().unwrap();
+    let mut copy = dense;
+    copy.fuse_projections().unwrap();
+    let layers = packed.packed_layers().unwrap();
+    assert_eq!(layers.layers.len(), 8, "qkv, o, gate_up, down per block");
+    let loaded =
+        burn_slidesparse::load_packed(&mut copy, layers, "packed", |n| n.to_string()).unwrap();
+    assert_eq!(loaded.len(), 8);
+    let ids = [3i64, 17, 42, 5, 9];
+    assert_eq!(logits(&copy, &ids), logits(&packed, &ids));
 }
 
 fn gguf_string(out: &mut Vec<u8>, s: &str) {
