@@ -248,6 +248,7 @@ fn evaluate<B: SlideSparseBackend>(
                     precision,
                     prune,
                     alignment: 64,
+                    permutation: Default::default(),
                 };
                 let mut model = dense.clone();
                 let start = Instant::now();

@@ -12,6 +12,7 @@ use crate::{
     files::map_file,
     format::{self, LayerMeta, OwnedTensor, PackedFile},
     pack::{PackOptions, PackStats, pack_linear, prune_and_quantize},
+    permute::ChannelPermutation,
     prune::PruneMethod,
     quant::quantize_weight,
 };
@@ -285,6 +286,11 @@ fn verify_layer_against(
                     .unwrap_or("none")
                     .parse::<PruneMethod>()?,
                 alignment: meta.alignment,
+                // Pruned in the file's order, redone in it.
+                permutation: layer
+                    .input_permutation
+                    .clone()
+                    .map_or(ChannelPermutation::Identity, ChannelPermutation::Given),
             };
             prune_and_quantize(
                 &meta.source_tensor,

@@ -27,6 +27,7 @@ mod module;
 mod native_ops;
 mod pack;
 mod pattern;
+mod permute;
 mod prune;
 mod quant;
 mod quantized;
@@ -70,6 +71,9 @@ pub use masked::MaskedLinear;
 pub use module::{SlideSparseLinear, SlideSparseLinearConfig};
 pub use pack::{DEFAULT_ALIGNMENT, PackOptions, PackStats, PackedLinear, pack_linear};
 pub use pattern::SparsityPattern;
+pub use permute::{
+    ChannelPermutation, InputPermutation, PermutationOutcome, PermutationSearch, search_permutation,
+};
 pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
 pub use quant::{Precision, QuantizedWeight, WeightCodes};
 pub use quantized::QuantizedLinear;
@@ -109,6 +113,10 @@ pub mod internals {
     /// Sparsity patterns.
     pub mod pattern {
         pub use crate::pattern::*;
+    }
+    /// Input-channel permutations and their search.
+    pub mod permute {
+        pub use crate::permute::*;
     }
     /// Pruning to a pattern.
     pub mod prune {

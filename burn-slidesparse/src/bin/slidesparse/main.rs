@@ -118,6 +118,7 @@ fn run(cli: Cli) -> Result<()> {
                 precision,
                 prune,
                 alignment,
+                permutation: Default::default(),
             };
             let selection = LayerSelection::new(layers.as_deref())?;
             let result = pack_with_bar(&input, &output, &selection, &options, !quiet)?;
