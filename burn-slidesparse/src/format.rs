@@ -517,6 +517,16 @@ fn read_permutation(
     let name = format!("{}{PERMUTATION_SUFFIX}", meta.prefix);
     let view = tensor(path, st, &name)?;
     check_tensor_shape(&name, &view, &[meta.in_features])?;
+    read_order(&name, &view)
+        .map(Some)
+        .map_err(|e| SlideSparseError::packed(path, e.to_string()))
+}
+
+/// An input permutation tensor (`U32` or `I32 [K]`) named `name`: a permutation of `0..K`.
+pub fn read_order(name: &str, view: &TensorView<'_>) -> Result<InputPermutation> {
+    if view.shape().len() != 1 {
+        return Err(SlideSparseError::shape(name, "[K]", view.shape()));
+    }
     let words = view
         .data()
         .chunks_exact(4)
@@ -529,15 +539,18 @@ fn read_permutation(
             .collect(),
         other => {
             return Err(SlideSparseError::UnsupportedDtype {
-                name,
+                name: name.to_string(),
                 dtype: format!("{other:?}"),
                 context: "an input permutation is U32 (or I32)".into(),
             });
         }
     };
-    InputPermutation::new(order)
-        .map(Some)
-        .map_err(|e| SlideSparseError::packed(path, format!("{name}: {e}")))
+    InputPermutation::new(order).map_err(|e| match e {
+        SlideSparseError::InvalidPermutation { detail } => SlideSparseError::InvalidPermutation {
+            detail: format!("{name}: {detail}"),
+        },
+        other => other,
+    })
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use super::{
     accumulator::Accumulator,
     buffers::ForwardScratch,
     gemm::{GemmBuffers, LayerGemm},
-    launch::{launch_epilogue, launch_quant_lift},
+    launch::{QuantKernel, launch_epilogue, launch_quant_lift_permuted},
     memory::ensure_fits,
     runtime::{Client, Runtime},
     state::DeviceState,
@@ -71,6 +71,8 @@ pub struct GpuLayer<G> {
     pub(crate) scale: Handle,
     /// The bias `[N]` (f32), if any.
     pub(crate) bias: Option<Handle>,
+    /// The input permutation `[K]` (u32) folded into the lift, if the layer has one.
+    pub(crate) permutation: Option<Handle>,
     pub(crate) state: Arc<Mutex<DeviceState>>,
 }
 
@@ -108,9 +110,11 @@ impl<G: LayerGemm> GpuLayer<G> {
         let accumulator = G::accumulator(precision, dtype);
         let ([codes, token_scales, acc], out) =
             self.forward_buffers(&client, (m, m_pad), accumulator, dtype)?;
-        launch_quant_lift(
+        launch_quant_lift_permuted(
+            QuantKernel::Auto,
             &client,
             &x.handle,
+            self.permutation.as_ref(),
             &codes.handle,
             &token_scales.handle,
             (m, m_pad, k, q.k_slide, q.k_out),

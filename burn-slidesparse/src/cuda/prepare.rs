@@ -20,6 +20,7 @@ use super::{
 use crate::{
     backend::LayerSpec,
     error::{Result, SlideSparseError},
+    permute::InputPermutation,
     quant::{Precision, QuantizedWeight},
 };
 
@@ -169,7 +170,28 @@ impl GpuLayer<SparseGemm> {
             precision,
             scale,
             bias,
+            permutation: None,
             state,
+        })
+    }
+}
+
+impl GpuLayer<SparseGemm> {
+    /// The layer reading its input through `permutation` (uploaded as `u32 [K]`), folded into
+    /// the quant+lift kernel's map; `None` keeps the original order.
+    pub fn with_input_permutation(
+        self,
+        client: &Client,
+        permutation: Option<&InputPermutation>,
+    ) -> Result<Self> {
+        let Some(p) = permutation else {
+            return Ok(self);
+        };
+        p.check_len("SlideSparseLinear", self.quant.k)?;
+        let bytes: Vec<u8> = p.as_slice().iter().flat_map(|v| v.to_le_bytes()).collect();
+        Ok(Self {
+            permutation: Some(client.create_from_slice(&bytes)),
+            ..self
         })
     }
 }
@@ -274,6 +296,7 @@ impl GpuLayer<DenseGemm> {
             precision,
             scale,
             bias,
+            permutation: None,
             state: Arc::clone(&state),
         })
     }
