@@ -337,10 +337,7 @@ fn packed_files_round_trip_permutations_and_read_version_1() {
         "{err}"
     );
     let err = with_order(safetensors::Dtype::F32, le(&order), vec![order.len()]).unwrap_err();
-    assert!(
-        matches!(err, SlideSparseError::UnsupportedDtype { .. }),
-        "{err}"
-    );
+    assert!(err.to_string().contains("unsupported dtype F32"), "{err}");
 }
 
 /// A permuted layer survives a burn record round trip (the permutation is in the record).
