@@ -172,10 +172,16 @@ fn gather_rows<T: Copy + Send + Sync>(values: &[T], index: &[u32]) -> Vec<T> {
     if k == 0 {
         return Vec::new();
     }
-    values
-        .par_chunks(k)
-        .flat_map_iter(|row| index.iter().map(move |&c| row[c as usize]))
-        .collect()
+    // Written row by row in parallel into a copy (the copy only sizes the output).
+    let mut out = values.to_vec();
+    out.par_chunks_mut(k)
+        .zip(values.par_chunks(k))
+        .for_each(|(dst, src)| {
+            for (d, &c) in dst.iter_mut().zip(index) {
+                *d = src[c as usize];
+            }
+        });
+    out
 }
 
 fn invalid(detail: String) -> SlideSparseError {

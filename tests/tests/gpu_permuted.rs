@@ -229,7 +229,8 @@ fn outputs(packed: &PackedLinear, x: &[f32], shape: [usize; 2]) -> Vec<(&'static
     let gpu = SlideSparseLinear::<Gpu>::from_packed(packed, &Default::default());
     let fused = SlideSparseLinear::<Fused>::from_packed(packed, &Default::default());
     let bf16 = SlideSparseLinear::<GpuBf16>::from_packed(packed, &Default::default());
-    let on = |dtype| (&Default::default(), dtype);
+    let device: burn::tensor::Device<Gpu> = Default::default();
+    let on = |dtype| (&device, dtype);
     vec![
         (
             "cpu",

@@ -314,11 +314,12 @@ impl<'a> Search<'a> {
 
 /// Per-row buffers of one pair evaluation: for every position `i` of a block, the two
 /// smallest energies of the block without `i` (`low`, `second`: `L * rows` each), for both
-/// blocks.
+/// blocks, and the running two smallest of a block's suffix.
 struct Scratch {
     rows: usize,
     low: [Vec<f32>; 2],
     second: [Vec<f32>; 2],
+    suffix: (Vec<f32>, Vec<f32>),
 }
 
 impl Scratch {
@@ -328,22 +329,41 @@ impl Scratch {
             rows,
             low: [buffer(), buffer()],
             second: [buffer(), buffer()],
+            suffix: (vec![0.0; rows], vec![0.0; rows]),
         }
     }
 
-    /// Fills side `side`'s buffers for `block`.
+    /// Fills side `side`'s buffers for `block`: the two smallest of the positions before `i`
+    /// (a forward pass), merged with those of the positions after `i` (a backward pass), so
+    /// about `3L` passes over the rows instead of `L (L - 1)`.
     fn exclude_each(&mut self, scores: &Scores, block: &[u32], side: usize) {
         let rows = self.rows;
-        for i in 0..block.len() {
-            let low = &mut self.low[side][i * rows..(i + 1) * rows];
-            let second = &mut self.second[side][i * rows..(i + 1) * rows];
-            low.fill(f32::INFINITY);
-            second.fill(f32::INFINITY);
-            for (j, &c) in block.iter().enumerate() {
-                if j != i {
-                    push_two_smallest(low, second, scores.column(c));
-                }
-            }
+        let (low, second) = (&mut self.low[side], &mut self.second[side]);
+        low[..rows].fill(f32::INFINITY);
+        second[..rows].fill(f32::INFINITY);
+        for i in 1..block.len() {
+            let (done, next) = low.split_at_mut(i * rows);
+            next[..rows].copy_from_slice(&done[(i - 1) * rows..]);
+            let (done2, next2) = second.split_at_mut(i * rows);
+            next2[..rows].copy_from_slice(&done2[(i - 1) * rows..]);
+            push_two_smallest(
+                &mut next[..rows],
+                &mut next2[..rows],
+                scores.column(block[i - 1]),
+            );
+        }
+        let (suffix_low, suffix_second) = (&mut self.suffix.0, &mut self.suffix.1);
+        suffix_low.fill(f32::INFINITY);
+        suffix_second.fill(f32::INFINITY);
+        for i in (0..block.len()).rev() {
+            let range = i * rows..(i + 1) * rows;
+            merge_two_smallest(
+                &mut low[range.clone()],
+                &mut second[range],
+                suffix_low,
+                suffix_second,
+            );
+            push_two_smallest(suffix_low, suffix_second, scores.column(block[i]));
         }
     }
 
@@ -366,6 +386,27 @@ fn push_two_smallest(low: &mut [f32], second: &mut [f32], values: &[f32]) {
         let high = if *l > v { *l } else { v };
         *s = if *s < high { *s } else { high };
         *l = if *l < v { *l } else { v };
+    }
+}
+
+/// Merges two per-row pairs of smallest values into the first: the two smallest of the four.
+#[inline]
+fn merge_two_smallest(
+    low: &mut [f32],
+    second: &mut [f32],
+    other_low: &[f32],
+    other_second: &[f32],
+) {
+    for (((l, s), &ol), &os) in low
+        .iter_mut()
+        .zip(second.iter_mut())
+        .zip(other_low)
+        .zip(other_second)
+    {
+        let high = if *l > ol { *l } else { ol };
+        let seconds = if *s < os { *s } else { os };
+        *s = if high < seconds { high } else { seconds };
+        *l = if *l < ol { *l } else { ol };
     }
 }
 
@@ -595,6 +636,34 @@ mod tests {
         let one = search(&[(&stacked, 8, &m)]);
         assert_eq!(group.permutation, one.permutation);
         assert!(group.pruned_after < group.pruned_before);
+    }
+
+    /// The prefix/suffix exclusion equals its definition: the two smallest of the block's
+    /// other positions, per row (padding positions included).
+    #[test]
+    fn excluding_each_position_matches_its_definition() {
+        let mut rng = XorShift32(0x0BAD_CAFE);
+        let (rows, cols) = (9, 21);
+        let weight = random_weight(&mut rng, rows * cols);
+        let scores = Scores::new("t", &[(&weight, rows, &PruneMethod::Magnitude)], cols).unwrap();
+        let mut scratch = Scratch::new(8, rows);
+        for block in [
+            vec![3u32, 7, 1, 0, 20, 11, 5, 9],
+            vec![16, 17, 18, 19, 20, PAD, PAD, PAD],
+        ] {
+            scratch.exclude_each(&scores, &block, 1);
+            for i in 0..block.len() {
+                for r in 0..rows {
+                    let mut others: Vec<f32> = (0..block.len())
+                        .filter(|&j| j != i)
+                        .map(|j| scores.column(block[j])[r])
+                        .collect();
+                    others.sort_by(f32::total_cmp);
+                    assert_eq!(scratch.low[1][i * rows + r], others[0], "{i} {r}");
+                    assert_eq!(scratch.second[1][i * rows + r], others[1], "{i} {r}");
+                }
+            }
+        }
     }
 
     #[test]
