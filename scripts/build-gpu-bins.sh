@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the stripped release binaries for the GPU host into gpu-bin/ (git-ignored):
-# gpu-tests, gpu-attention-tests, gpu-block-ops-tests, gpu-tensor-parallel-tests (the #[ignore]d GPU tests), slidesparse-bench, the model_throughput,
+# gpu-tests, gpu-attention-tests, gpu-block-ops-tests, gpu-tensor-parallel-tests, gpu-permuted-tests (the #[ignore]d GPU tests), slidesparse-bench, the model_throughput,
 # collective_timing and pack_timing examples, plus gpu-bin/gpu-bin.tar.xz holding them all (carry that one alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,10 +8,10 @@ mkdir -p gpu-bin
 # The GPU test binaries: the layer suite (gpu), the attention kernels, the block steps, the
 # NCCL collectives and split layers.
 cargo test --release -p slidesparse-tests --features cuda --test gpu --test gpu_attention \
-  --test gpu_block_ops --test gpu_tensor_parallel --no-run --message-format=json \
+  --test gpu_block_ops --test gpu_tensor_parallel --test gpu_permuted --no-run --message-format=json \
   | python3 -c 'import json, shutil, sys
 names = {"gpu": "gpu-tests", "gpu_attention": "gpu-attention-tests", "gpu_block_ops": "gpu-block-ops-tests",
-         "gpu_tensor_parallel": "gpu-tensor-parallel-tests"}
+         "gpu_tensor_parallel": "gpu-tensor-parallel-tests", "gpu_permuted": "gpu-permuted-tests"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in names:
@@ -22,7 +22,7 @@ cp target/release/slidesparse-bench target/release/examples/model_throughput tar
   target/release/examples/pack_timing gpu-bin/
 rm -f gpu-bin/slidesparse
 # The device tool carries at most 64 MiB: ship the binaries xz-compressed (gpu-run.sh unpacks).
-strip gpu-bin/gpu-tests gpu-bin/gpu-attention-tests gpu-bin/gpu-block-ops-tests gpu-bin/gpu-tensor-parallel-tests gpu-bin/slidesparse-bench gpu-bin/model_throughput gpu-bin/collective_timing gpu-bin/pack_timing
-tar -C gpu-bin -cJf gpu-bin.tar.xz gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests slidesparse-bench model_throughput collective_timing pack_timing
+strip gpu-bin/gpu-tests gpu-bin/gpu-attention-tests gpu-bin/gpu-block-ops-tests gpu-bin/gpu-tensor-parallel-tests gpu-bin/gpu-permuted-tests gpu-bin/slidesparse-bench gpu-bin/model_throughput gpu-bin/collective_timing gpu-bin/pack_timing
+tar -C gpu-bin -cJf gpu-bin.tar.xz gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-permuted-tests slidesparse-bench model_throughput collective_timing pack_timing
 mv gpu-bin.tar.xz gpu-bin/
 ls -la gpu-bin
