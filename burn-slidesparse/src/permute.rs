@@ -239,7 +239,7 @@ impl Default for PermutationSearch {
 }
 
 /// How a layer's input channels are ordered before it is pruned
-/// ([`PackOptions::permutation`](crate::PackOptions::permutation)).
+/// ([`PackOptions::permutation`](crate::pack::PackOptions::permutation)).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub enum ChannelPermutation {
     /// As they are (no permutation stored).
@@ -261,7 +261,7 @@ impl ChannelPermutation {
         name: &str,
         weight: &[f32],
         (rows, cols): (usize, usize),
-        pattern: crate::SparsityPattern,
+        pattern: crate::pattern::SparsityPattern,
         method: &PruneMethod,
     ) -> Result<Option<InputPermutation>> {
         let order = match self {
