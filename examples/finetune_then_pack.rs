@@ -5,8 +5,8 @@
 //! stage on held-out text and on texts the calibration and training never saw.
 //!
 //! `cargo run --release -p slidesparse-examples --example finetune_then_pack -- --pattern 6:8
-//!   --steps 100 [--objective kl|lm|kl-lm] [--lr 1e-4] [--seq 128] [--batch 1]
-//!   [--eval-text FILE]... [--out target/finetune]`
+//!   --steps 100 [--objective kl|lm|kl-lm] [--lr 1e-4] [--seq 128] [--batch 1] [--qat]
+//!   [--permute] [--eval-text FILE]... [--out target/finetune]`
 //!
 //! Text: Python's `pydoc_data/topics.py` (or the `--text` files); the first `--eval-tokens`
 //! tokens of the first one are held out for evaluation, training reads random windows of the
@@ -29,14 +29,15 @@ use burn::{
     },
 };
 use burn_slidesparse::{
-    LayerSelection, MaybeSparseLinear, PackOptions, PackedFile, Precision, PruneMethod,
-    SlideSparseBackend, SparsityPattern, VisitLinears, gguf::GgufFile, mask_with, pack_checkpoint,
+    InputPermutation, LayerSelection, MaskedLinear, MaybeSparseLinear, PERMUTATION_SUFFIX,
+    PackOptions, PackedFile, PermutationSearch, Precision, PruneMethod, SlideSparseBackend,
+    SparsityPattern, VisitLinears, gguf::GgufFile, pack_checkpoint,
 };
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use slidesparse_examples::{
-    eval::{calibration_norms, perplexity},
+    eval::{calibration_norms, group_permutations, perplexity},
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::{KvCache, Llama},
@@ -99,6 +100,12 @@ struct Args {
     /// Precision of the packed model.
     #[arg(long, default_value = "int8")]
     precision: Precision,
+    /// Prune every group of block linears that read one input (q/k/v, o, gate/up, down) in
+    /// an input-channel order searched on the pruning score; the fine-tuned layers keep it,
+    /// the checkpoint stores it next to each weight and the packed layers fold it into their
+    /// lift.
+    #[arg(long)]
+    permute: bool,
     /// Quantization-aware fine-tuning: the masked layers' forward rounds weights and
     /// activations as the packed `--precision` layer does (int8 or fp8; gradients pass
     /// straight through), so the fine-tuned f32 stage already computes the packed function.
@@ -209,19 +216,34 @@ where
     } else {
         HashMap::new()
     };
-    let masked = mask_with(&mut model, args.pattern, |name| {
-        (name != "lm_head").then(|| match norms.get(name) {
-            Some(n) if args.prune == "wanda" => PruneMethod::ActivationAware {
-                input_norms: n.clone(),
-            },
-            _ => PruneMethod::Magnitude,
-        })
-    })?;
+    let method = |name: &str| match norms.get(name) {
+        Some(n) if args.prune == "wanda" => PruneMethod::ActivationAware {
+            input_norms: n.clone(),
+        },
+        _ => PruneMethod::Magnitude,
+    };
+    let orders = if args.permute {
+        let bar = ProgressBar::new(4 * model.blocks.len() as u64);
+        let (orders, summary) = group_permutations(
+            &mut model,
+            args.pattern,
+            method,
+            &PermutationSearch::default(),
+            &bar,
+        )?;
+        bar.finish_and_clear();
+        println!("{}: {summary}", args.pattern);
+        orders
+    } else {
+        HashMap::new()
+    };
+    let masked = mask_in_orders(&mut model, args.pattern, &method, &orders)?;
     println!(
-        "pruned {} layers to {} ({})",
-        masked.len(),
+        "pruned {} layers to {} ({}{})",
+        masked,
         args.pattern,
-        args.prune
+        args.prune,
+        if args.permute { ", permuted" } else { "" }
     );
     table.push((
         "pruned, f32 (one-shot)".into(),
@@ -331,6 +353,28 @@ fn check_args(args: &Args) -> Result<(), Error> {
         );
     }
     Ok(())
+}
+
+/// Prunes every block linear (not the LM head) with `method(name)` in its order (the original
+/// one where `orders` has none) and keeps it trainable under the mask. Returns the count.
+fn mask_in_orders<B: Backend>(
+    model: &mut Llama<B>,
+    pattern: SparsityPattern,
+    method: &impl Fn(&str) -> PruneMethod,
+    orders: &HashMap<String, InputPermutation>,
+) -> Result<usize, Error> {
+    let mut count = 0;
+    model.visit_linears(&mut |name, layer| {
+        if let Some(dense) = layer.dense().filter(|_| name != "lm_head") {
+            let order = orders.get(name).cloned();
+            let masked =
+                MaskedLinear::from_linear_permuted(dense.clone(), pattern, &method(name), order)?;
+            *layer = masked.into();
+            count += 1;
+        }
+        Ok(())
+    })?;
+    Ok(count)
 }
 
 /// Makes every masked layer's forward simulate `precision`'s rounding (quantization-aware
@@ -610,6 +654,14 @@ fn save_and_pack<B: Backend>(
             let shape = w.dims().to_vec();
             let values: Vec<f32> = w.into_data().convert::<f32>().into_vec().unwrap();
             tensors.push(F32Tensor::new(format!("{name}.weight"), shape, values));
+            // The order the mask holds in, where the packer looks for it.
+            if let Some(order) = &m.input_permutation {
+                tensors.push(F32Tensor::u32(
+                    format!("{name}{PERMUTATION_SUFFIX}"),
+                    vec![order.len()],
+                    order.as_slice(),
+                ));
+            }
         }
         Ok(())
     })?;

@@ -329,6 +329,7 @@ fn prune_and_pack<B: SlideSparseBackend>(
             precision: args.precision,
             prune,
             alignment: 64,
+            permutation: Default::default(),
         })
     })?;
     bar.finish_and_clear();

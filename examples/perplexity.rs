@@ -4,12 +4,14 @@
 //! `cargo run --release -p slidesparse-examples --example perplexity -- --text FILE[@START]
 //!   [--text FILE2 ...] [--max-tokens N] [--window 512] [--stride 256] [--patterns 2:4,6:8]
 //!   [--precisions f32,int8] [--prune magnitude,wanda,sparsegpt] [--calibration FILE[@START]
-//!   ...] [--calibration-tokens 256] [--calibration-seq 512]`
+//!   ...] [--calibration-tokens 256] [--calibration-seq 512] [--permutations none,search]`
 //!
 //! `FILE@START` skips the first `START` tokens of the file. Wanda and SparseGPT are calibrated
 //! on `--calibration-tokens` tokens of each calibration text, cut into sequences of
 //! `--calibration-seq`; the calibration tokens may come from an evaluation file only outside
-//! its evaluated token range (checked).
+//! its evaluated token range (checked). `--permutations search` prunes every group of linears
+//! that share an input (q/k/v, o, gate/up, down of each block) in an input-channel order
+//! searched on the pruning criterion, folded into the packed layers' lift.
 
 use std::{
     path::{Path, PathBuf},
@@ -17,14 +19,19 @@ use std::{
 };
 
 use burn::backend::NdArray;
+use std::collections::HashMap;
+
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SlideSparseBackend, SparseGptCalibration, SparsityPattern,
-    gguf::GgufFile, sparsify_with,
+    ChannelPermutation, InputPermutation, PackOptions, PermutationSearch, Precision, PruneMethod,
+    SlideSparseBackend, SparseGptCalibration, SparsityPattern, gguf::GgufFile, sparsify_with,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use slidesparse_examples::{
-    eval::{perplexity, sparsegpt_sequential, token_batch},
+    eval::{
+        PermutationSummary, SequentialPermutation, group_permutations, perplexity,
+        sparsegpt_sequential, token_batch,
+    },
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::Llama,
@@ -76,6 +83,20 @@ struct Args {
     /// with fusion, f32 activations).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Input-channel orders to evaluate: `none` (the original order) and/or `search` (one
+    /// order per group of linears sharing an input, searched on the pruning criterion).
+    #[arg(long, default_value = "none")]
+    permutations: String,
+    /// Permutation search: at most this many rounds of block-pair channel swaps.
+    #[arg(long, default_value_t = PermutationSearch::DEFAULT_ROUNDS)]
+    permute_rounds: usize,
+    /// Permutation search: seed of the random pairing of blocks.
+    #[arg(long, default_value_t = 0)]
+    permute_seed: u64,
+    /// What SparseGPT's permutation search scores: `obs` (its saliency `w^2 / [H^-1]_kk`) or
+    /// `wanda` (`|w| * ||X[:, k]||` on the same calibration inputs).
+    #[arg(long, default_value = "obs")]
+    sparsegpt_permutation_score: String,
 }
 
 /// A token range of a text file.
@@ -158,6 +179,13 @@ fn main() -> Result<(), Error> {
     {
         return Err(format!("unknown --prune {m}: magnitude, wanda or sparsegpt").into());
     }
+    if !["obs", "wanda"].contains(&args.sparsegpt_permutation_score.as_str()) {
+        return Err(format!(
+            "unknown --sparsegpt-permutation-score {}: obs or wanda",
+            args.sparsegpt_permutation_score
+        )
+        .into());
+    }
     match args.device.as_str() {
         "cpu" => evaluate::<NdArray>(&args, &file, &tok, &texts, &methods),
         #[cfg(feature = "cuda")]
@@ -238,60 +266,45 @@ fn evaluate<B: SlideSparseBackend>(
         Some(batch) if methods.contains(&"wanda") => dense.input_norms(batch.clone()),
         _ => Default::default(),
     };
+    let permutations: Vec<bool> = args
+        .permutations
+        .split(',')
+        .map(|p| match p.trim() {
+            "none" => Ok(false),
+            "search" => Ok(true),
+            other => Err(format!("unknown --permutations {other}: none or search")),
+        })
+        .collect::<Result<_, _>>()?;
     for &method in methods {
         for pattern in args.patterns.split(',') {
-            for precision in args.precisions.split(',') {
-                let (pattern, precision): (SparsityPattern, Precision) =
-                    (pattern.trim().parse()?, precision.trim().parse()?);
-                let options = |prune| PackOptions {
-                    pattern,
-                    precision,
-                    prune,
-                    alignment: 64,
-                };
-                let mut model = dense.clone();
-                let start = Instant::now();
-                match method {
-                    "sparsegpt" => {
-                        let tokens = calib.clone().expect("calibrated");
-                        let bar = ProgressBar::new(4 * model.blocks.len() as u64);
-                        bar.set_style(
-                            ProgressStyle::with_template(
-                                "sparsegpt {bar:30} {pos}/{len} {msg} [{elapsed}<{eta}]",
-                            )
-                            .expect("valid template"),
-                        );
-                        sparsegpt_sequential(
-                            &mut model,
-                            tokens,
-                            |_, calibration| {
-                                options(PruneMethod::SparseGpt(SparseGptCalibration {
-                                    damping: args.damping,
-                                    block_size: args.block_size,
-                                    ..calibration
-                                }))
-                            },
-                            &bar,
-                        )?;
-                        bar.finish_and_clear();
-                    }
-                    _ => {
-                        sparsify_with(&mut model, |name| {
-                            let prune = match method {
-                                "wanda" => PruneMethod::ActivationAware {
-                                    input_norms: norms.get(name)?.clone(),
-                                },
-                                _ => PruneMethod::Magnitude,
-                            };
-                            (name != "lm_head").then(|| options(prune))
-                        })?;
-                    }
+            let pattern: SparsityPattern = pattern.trim().parse()?;
+            // Magnitude and Wanda orders depend on the dense weights only: searched once.
+            let orders = match (method, permutations.contains(&true)) {
+                ("magnitude" | "wanda", true) => {
+                    Some(search_orders(args, &dense, pattern, |name| {
+                        row_method(method, &norms, name)
+                    })?)
                 }
-                println!(
-                    "{pattern} {precision} {method}: pruned and packed in {:.0} s",
-                    start.elapsed().as_secs_f64()
-                );
-                report(format!("{pattern} {precision} {method}"), &model);
+                _ => None,
+            };
+            for precision in args.precisions.split(',') {
+                let precision: Precision = precision.trim().parse()?;
+                for &permute in &permutations {
+                    let job = PruneJob {
+                        method,
+                        pattern,
+                        precision,
+                        permute,
+                    };
+                    let start = Instant::now();
+                    let model = prune_model(args, &dense, &job, &calib, &norms, orders.as_ref())?;
+                    println!(
+                        "{}: pruned and packed in {:.0} s",
+                        job.name(),
+                        start.elapsed().as_secs_f64()
+                    );
+                    report(job.name(), &model);
+                }
             }
         }
     }
@@ -306,4 +319,122 @@ fn evaluate<B: SlideSparseBackend>(
         println!("| {name} | {} |", cells.join(" | "));
     }
     Ok(())
+}
+
+/// One pruned model of the sweep.
+struct PruneJob<'a> {
+    method: &'a str,
+    pattern: SparsityPattern,
+    precision: Precision,
+    permute: bool,
+}
+
+impl PruneJob<'_> {
+    fn name(&self) -> String {
+        let perm = if self.permute { " +perm" } else { "" };
+        format!("{} {} {}{perm}", self.pattern, self.precision, self.method)
+    }
+
+    fn options(&self, prune: PruneMethod, permutation: ChannelPermutation) -> PackOptions {
+        PackOptions {
+            pattern: self.pattern,
+            precision: self.precision,
+            prune,
+            alignment: 64,
+            permutation,
+        }
+    }
+}
+
+/// The prune method of a row-local method (`magnitude`, `wanda`) for layer `name`.
+fn row_method(method: &str, norms: &HashMap<String, Vec<f32>>, name: &str) -> PruneMethod {
+    match (method, norms.get(name)) {
+        ("wanda", Some(n)) => PruneMethod::ActivationAware {
+            input_norms: n.clone(),
+        },
+        _ => PruneMethod::Magnitude,
+    }
+}
+
+fn bar(len: usize, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{what} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}<{{eta}}]"
+        ))
+        .expect("valid template"),
+    );
+    bar
+}
+
+fn search_settings(args: &Args) -> PermutationSearch {
+    PermutationSearch {
+        rounds: args.permute_rounds,
+        seed: args.permute_seed,
+        ..Default::default()
+    }
+}
+
+/// One order per group of block linears sharing an input, on the dense model.
+fn search_orders<B: SlideSparseBackend>(
+    args: &Args,
+    dense: &Llama<B>,
+    pattern: SparsityPattern,
+    method: impl Fn(&str) -> PruneMethod,
+) -> Result<HashMap<String, InputPermutation>, Error> {
+    let mut model = dense.clone();
+    let bar = bar(4 * model.blocks.len(), "permutations");
+    let (orders, summary) =
+        group_permutations(&mut model, pattern, method, &search_settings(args), &bar)?;
+    bar.finish_and_clear();
+    println!("{pattern}: {summary}");
+    Ok(orders)
+}
+
+/// The dense model pruned and packed as `job` says (magnitude and Wanda with the
+/// precomputed `orders` when permuted; SparseGPT searches its orders group by group).
+fn prune_model<B: SlideSparseBackend>(
+    args: &Args,
+    dense: &Llama<B>,
+    job: &PruneJob<'_>,
+    calib: &Option<burn::tensor::Tensor<B, 2, burn::tensor::Int>>,
+    norms: &HashMap<String, Vec<f32>>,
+    orders: Option<&HashMap<String, InputPermutation>>,
+) -> Result<Llama<B>, Error> {
+    let mut model = dense.clone();
+    if job.method == "sparsegpt" {
+        let tokens = calib.clone().expect("calibrated");
+        let bar = bar(4 * model.blocks.len(), "sparsegpt");
+        let search = search_settings(args);
+        let mut summary = PermutationSummary::default();
+        let permute = job.permute.then(|| SequentialPermutation {
+            search: &search,
+            wanda_score: args.sparsegpt_permutation_score == "wanda",
+            summary: &mut summary,
+        });
+        let options = |_: &str, calibration| {
+            job.options(
+                PruneMethod::SparseGpt(SparseGptCalibration {
+                    damping: args.damping,
+                    block_size: args.block_size,
+                    ..calibration
+                }),
+                ChannelPermutation::Identity,
+            )
+        };
+        sparsegpt_sequential(&mut model, tokens, options, permute, &bar)?;
+        bar.finish_and_clear();
+        if job.permute {
+            println!("{}: {summary}", job.name());
+        }
+        return Ok(model);
+    }
+    sparsify_with(&mut model, |name| {
+        let permutation = match orders.filter(|_| job.permute) {
+            Some(o) => ChannelPermutation::Given(o.get(name)?.clone()),
+            None => ChannelPermutation::Identity,
+        };
+        (name != "lm_head").then(|| job.options(row_method(job.method, norms, name), permutation))
+    })?;
+    Ok(model)
 }

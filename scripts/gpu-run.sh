@@ -56,7 +56,7 @@ save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests gpu-generate-tests; do
+  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests gpu-permuted-tests gpu-generate-tests; do
     ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
     echo "$t exit code: $?"
     grep -E "^test |test result|panicked|rel err|error" "$OUT/$t.log" | tail -30

@@ -84,6 +84,7 @@ fn inner_packed<B: SlideSparseBackend>(w: &PackedTensors<Autodiff<B>>) -> Packed
         weight: w.weight.clone(),
         bias: w.bias.clone().map(Tensor::inner),
         device: w.device.clone(),
+        input_permutation: w.input_permutation.clone(),
     }
 }
 

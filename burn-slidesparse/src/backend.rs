@@ -27,6 +27,9 @@ pub struct PackedTensors<B: Backend> {
     pub bias: Option<Tensor<B, 1>>,
     /// The device to prepare on.
     pub device: B::Device,
+    /// The order of the input channels `W'` was pruned in: the lift reads
+    /// `X[:, order[src(o)]]` (see [`InputPermutation`](crate::InputPermutation)).
+    pub input_permutation: Option<crate::permute::InputPermutation>,
 }
 
 /// A dense quantized layer's weights (the like-for-like baseline of SlideSparse: the same

@@ -10,8 +10,9 @@ use serde::Serialize;
 use crate::{
     error::{Result, SlideSparseError},
     files::map_file,
-    format::{self, LayerMeta, OwnedTensor, PackedFile},
+    format::{self, LayerMeta, OwnedTensor, PERMUTATION_SUFFIX, PackedFile},
     pack::{PackOptions, PackStats, pack_linear, prune_and_quantize},
+    permute::{ChannelPermutation, InputPermutation, PermutationSearch, search_permutation},
     prune::PruneMethod,
     weight_quant::quantize_weight,
 };
@@ -138,6 +139,13 @@ pub fn pack_checkpoint_with_progress(
     let mut stats = Vec::new();
     let mut tensors: Vec<(String, OwnedTensor)> = Vec::new();
     let mut packed_prefixes = std::collections::HashSet::new();
+    let orders = layer_orders(&st, &selected, options, &mut |layer| {
+        progress(PackProgress {
+            layer,
+            done_bytes: 0,
+            total_bytes,
+        })
+    })?;
     for name in &selected {
         let view = st.tensor(name).expect("listed above");
         progress(PackProgress {
@@ -152,8 +160,15 @@ pub fn pack_checkpoint_with_progress(
             Ok(b) if b.shape() == [rows] => Some(format::read_f32(&bias_name, &b)?),
             _ => None,
         };
+        let layer_options = match orders.get(name.as_str()) {
+            Some(order) => PackOptions {
+                permutation: ChannelPermutation::Given(order.clone()),
+                ..options.clone()
+            },
+            None => options.clone(),
+        };
         let (packed, _, layer_stats) =
-            pack_linear(name, &weight, rows, cols, bias.as_deref(), options)?;
+            pack_linear(name, &weight, rows, cols, bias.as_deref(), &layer_options)?;
         let (mut meta, layer_tensors) = format::layer_tensors(&packed);
         meta.prune = Some(options.prune.to_string());
         packed_prefixes.insert(meta.prefix.clone());
@@ -166,10 +181,11 @@ pub fn pack_checkpoint_with_progress(
     let mut copied = 0;
     for name in &names {
         let is_packed_weight = selected.contains(&name);
-        let is_packed_bias = name
-            .strip_suffix(".bias")
-            .is_some_and(|p| packed_prefixes.contains(p));
-        if is_packed_weight || is_packed_bias {
+        let is_packed_part = [".bias", PERMUTATION_SUFFIX].iter().any(|s| {
+            name.strip_suffix(s)
+                .is_some_and(|p| packed_prefixes.contains(p))
+        });
+        if is_packed_weight || is_packed_part {
             continue;
         }
         let view = st.tensor(name).expect("listed above");
@@ -197,6 +213,97 @@ pub fn pack_checkpoint_with_progress(
         seconds,
         megabytes_per_second: mmap.len() as f64 / 1e6 / seconds.max(1e-9),
     })
+}
+
+/// The key of the input a linear reads, for sharing one permutation: the projections of a
+/// transformer block that read the same hidden state (`q_proj`/`k_proj`/`v_proj` and
+/// `gate_proj`/`up_proj` of one block, or Meta's `wq`/`wk`/`wv` and `w1`/`w3`) map to one
+/// key, so that they can still be fused after packing; every other weight is its own group.
+pub fn input_group(name: &str) -> String {
+    const GROUPS: [(&[&str], &str); 2] = [
+        (
+            &["q_proj", "k_proj", "v_proj", "wq", "wk", "wv"],
+            "qkv_proj",
+        ),
+        (&["gate_proj", "up_proj", "w1", "w3"], "gate_up_proj"),
+    ];
+    let prefix = format::prefix_of(name);
+    let (parent, last) = prefix.rsplit_once('.').unwrap_or(("", &prefix));
+    match GROUPS.iter().find(|(members, _)| members.contains(&last)) {
+        Some((_, key)) => format!("{parent}.{key}"),
+        None => prefix.clone(),
+    }
+}
+
+/// The input order of every selected layer that has one: the order stored next to the
+/// weight in the checkpoint (`P.slidesparse.input_permutation`, written by a tool that
+/// pruned the weight in it, e.g. before fine-tuning), else, with
+/// [`ChannelPermutation::Search`], one order per [`input_group`] searched over all its
+/// layers with `options.prune`'s scores. `searching` is called with each group's name.
+fn layer_orders(
+    st: &SafeTensors<'_>,
+    selected: &[&String],
+    options: &PackOptions,
+    searching: &mut dyn FnMut(&str),
+) -> Result<std::collections::HashMap<String, InputPermutation>> {
+    let mut orders = std::collections::HashMap::new();
+    for name in selected {
+        let stored = format!("{}{PERMUTATION_SUFFIX}", format::prefix_of(name));
+        if let Ok(view) = st.tensor(&stored) {
+            orders.insert(name.to_string(), format::read_order(&stored, &view)?);
+        }
+    }
+    let ChannelPermutation::Search(search) = &options.permutation else {
+        return Ok(orders);
+    };
+    let mut groups: Vec<(String, Vec<&String>)> = Vec::new();
+    for name in selected.iter().filter(|n| !orders.contains_key(n.as_str())) {
+        let key = input_group(name);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(name),
+            None => groups.push((key, vec![name])),
+        }
+    }
+    for (key, members) in groups {
+        searching(&key);
+        let order = search_group(st, &key, &members, options, search)?;
+        for name in members {
+            orders.insert(name.to_string(), order.clone());
+        }
+    }
+    Ok(orders)
+}
+
+/// One order for the layers `members` (reading one input), scored with `options.prune`.
+fn search_group(
+    st: &SafeTensors<'_>,
+    key: &str,
+    members: &[&String],
+    options: &PackOptions,
+    search: &PermutationSearch,
+) -> Result<InputPermutation> {
+    let mut weights = Vec::new();
+    for name in members {
+        let view = st.tensor(name).expect("selected from the file");
+        weights.push((
+            format::read_f32(name, &view)?,
+            view.shape()[0],
+            view.shape()[1],
+        ));
+    }
+    let cols = weights[0].2;
+    if let Some((_, _, c)) = weights.iter().find(|w| w.2 != cols) {
+        return Err(SlideSparseError::shape(
+            format!("{key}: input width of the layers sharing an input"),
+            cols,
+            *c,
+        ));
+    }
+    let layers: Vec<(&[f32], usize, &crate::prune::PruneMethod)> = weights
+        .iter()
+        .map(|(w, rows, _)| (w.as_slice(), *rows, &options.prune))
+        .collect();
+    Ok(search_permutation(key, &layers, cols, options.pattern, search)?.permutation)
 }
 
 fn refuse_overwriting_input(input: &Path, output: &Path) -> Result<()> {
@@ -285,6 +392,11 @@ fn verify_layer_against(
                     .unwrap_or("none")
                     .parse::<PruneMethod>()?,
                 alignment: meta.alignment,
+                // Pruned in the file's order, redone in it.
+                permutation: layer
+                    .input_permutation
+                    .clone()
+                    .map_or(ChannelPermutation::Identity, ChannelPermutation::Given),
             };
             prune_and_quantize(
                 &meta.source_tensor,

@@ -34,7 +34,10 @@ use burn::{
 };
 use half::{bf16, f16};
 
-use crate::weight_quant::{Precision, QuantizedWeight, WeightCodes};
+use crate::{
+    permute::InputPermutation,
+    weight_quant::{Precision, QuantizedWeight, WeightCodes},
+};
 
 /// Identifies one set of codes, for the prepared-weight cache: a fresh value for every new
 /// or loaded weight, shared by clones.
@@ -43,11 +46,13 @@ fn fresh_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A layer's quantized weight `[rows, cols]` (codes and per-row f32 scales) on the host, and
-/// the device the layer lives on.
+/// A layer's quantized weight `[rows, cols]` (codes and per-row f32 scales) on the host, the
+/// order of the input channels its columns were pruned in (a SlideSparse layer packed with an
+/// input permutation), and the device the layer lives on.
 #[derive(Clone)]
 pub struct WeightCodesModule<B: Backend> {
     weight: Arc<QuantizedWeight>,
+    input_permutation: Option<InputPermutation>,
     id: u64,
     device: B::Device,
 }
@@ -57,9 +62,25 @@ impl<B: Backend> WeightCodesModule<B> {
     pub fn new(weight: QuantizedWeight, device: &B::Device) -> Self {
         Self {
             weight: Arc::new(weight),
+            input_permutation: None,
             id: fresh_id(),
             device: device.clone(),
         }
+    }
+
+    /// The same codes read through `permutation` (position `j` of the layer's input order is
+    /// input channel `order[j]`), as a new set of codes for the prepared-weight cache.
+    pub fn with_input_permutation(self, permutation: Option<InputPermutation>) -> Self {
+        Self {
+            input_permutation: permutation,
+            id: fresh_id(),
+            ..self
+        }
+    }
+
+    /// The input order the codes were pruned in, if not the original one.
+    pub fn input_permutation(&self) -> Option<&InputPermutation> {
+        self.input_permutation.as_ref()
     }
 
     /// The codes and scales (shared, not copied).
@@ -80,6 +101,7 @@ impl<B: Backend> WeightCodesModule<B> {
     fn with_device<C: Backend>(&self, device: C::Device) -> WeightCodesModule<C> {
         WeightCodesModule {
             weight: Arc::clone(&self.weight),
+            input_permutation: self.input_permutation.clone(),
             id: self.id,
             device,
         }
@@ -92,18 +114,27 @@ impl<B: Backend> fmt::Debug for WeightCodesModule<B> {
             .field("rows", &self.weight.rows)
             .field("cols", &self.weight.cols)
             .field("precision", &self.weight.codes.precision())
+            .field("input_permutation", &self.input_permutation)
             .field("device", &self.device)
             .finish()
     }
 }
 
-/// The record of a [`WeightCodesModule`]: codes in their own width, scales in f32.
+/// The record of a [`WeightCodesModule`]: codes in their own width, scales in f32, and the
+/// input permutation if there is one.
+///
+/// The permutation field is new with input permutations: self-describing recorders (named
+/// MessagePack, JSON) read older records as without one; binary (bincode) records written
+/// before it do not load.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct WeightCodesRecord {
     /// `[rows, cols]` codes: `I8` (INT8), `U8` (E4M3 bytes), `BF16`, `F16` or `F32`.
     pub codes: TensorData,
     /// `[rows]` per-row scales, `F32`.
     pub scales: TensorData,
+    /// `order[j]`: the input channel of position `j` (see [`InputPermutation`]).
+    #[serde(default)]
+    pub input_permutation: Option<Vec<u32>>,
 }
 
 impl<B: Backend> Record<B> for WeightCodesRecord {
@@ -133,6 +164,7 @@ impl WeightCodesRecord {
         Self {
             codes,
             scales: TensorData::new(weight.scales.clone(), [weight.rows]),
+            input_permutation: None,
         }
     }
 
@@ -229,14 +261,22 @@ impl<B: Backend> Module<B> for WeightCodesModule<B> {
     fn load_record(self, record: Self::Record) -> Self {
         let precision = self.weight.codes.precision();
         let shape = (self.weight.rows, self.weight.cols);
-        match record.into_weight(precision, shape) {
-            Ok(weight) => Self::new(weight, &self.device),
-            Err(why) => panic!("loading a SlideSparse weight record: {why}"),
+        let permutation = record.input_permutation.clone().map(InputPermutation::new);
+        match (
+            record.into_weight(precision, shape),
+            permutation.transpose(),
+        ) {
+            (Ok(weight), Ok(p)) => Self::new(weight, &self.device).with_input_permutation(p),
+            (Err(why), _) => panic!("loading a SlideSparse weight record: {why}"),
+            (_, Err(why)) => panic!("loading a SlideSparse weight record: {why}"),
         }
     }
 
     fn into_record(self) -> Self::Record {
-        WeightCodesRecord::from_weight(&self.weight)
+        WeightCodesRecord {
+            input_permutation: self.input_permutation.map(Vec::from),
+            ..WeightCodesRecord::from_weight(&self.weight)
+        }
     }
 }
 

@@ -173,6 +173,16 @@ fn concat_sparse<B: Backend>(layers: Vec<&SlideSparseLinear<B>>) -> Result<Slide
             spec, l.spec
         )));
     }
+    // One input, one order: the fused layer's lift reads it through a single permutation.
+    let permutation = layers[0].weight.input_permutation();
+    if layers
+        .iter()
+        .any(|l| l.weight.input_permutation() != permutation)
+    {
+        return Err(mismatch(
+            "SlideSparse layers read their input in different orders (input permutations);              layers to be fused must be packed with one shared permutation (search it over the              group: search_permutation)",
+        ));
+    }
     let biases = layers
         .iter()
         .map(|l| Ok((host_bias(&l.bias)?, l.spec.out_features)))
@@ -184,6 +194,7 @@ fn concat_sparse<B: Backend>(layers: Vec<&SlideSparseLinear<B>>) -> Result<Slide
         alignment: spec.alignment,
         weight: concat_rows(layers.iter().map(|l| l.weight.weight().as_ref()).collect())?,
         bias: concat_biases(biases),
+        input_permutation: permutation.cloned(),
     };
     packed.validate()?;
     Ok(SlideSparseLinear::from_packed_owned(

@@ -103,7 +103,8 @@ mod dispatch {
                 weights.spec,
                 &weights.weight,
                 bias.as_deref(),
-            )
+            )?
+            .with_input_permutation(&client, weights.input_permutation.as_ref())
         }))
     }
 

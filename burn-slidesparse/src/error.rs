@@ -137,6 +137,13 @@ pub enum SlideSparseError {
         damping: f64,
     },
 
+    /// A list that is not a permutation of a layer's input channels.
+    #[error("invalid input permutation: {detail}")]
+    InvalidPermutation {
+        /// What is wrong.
+        detail: String,
+    },
+
     /// A packed file that fails a check of the format.
     #[error("packed file {path}: {detail}")]
     InvalidPackedFile {

@@ -3,10 +3,13 @@
 //! Per packed layer with source weight `P.weight` (prefix `P`):
 //! - `P.slidesparse.weight`: `W' [out, K']` as `I8`, `U8` (E4M3 bits), `BF16`, `F16` or `F32`;
 //! - `P.slidesparse.weight_scale`: `F32 [out]`;
-//! - `P.bias` (optional, any float dtype): the layer's bias under its usual name.
+//! - `P.bias` (optional, any float dtype): the layer's bias under its usual name;
+//! - `P.slidesparse.input_permutation` (optional, version 2): `U32 [K]` (`I32` accepted on
+//!   read), the order of the input channels the layer was pruned in.
 //!
-//! File metadata: `slidesparse.format_version` (currently `1`) and `slidesparse.layers`, a
-//! JSON list of [`LayerMeta`]. Every other tensor of a packed checkpoint is copied unchanged.
+//! File metadata: `slidesparse.format_version` (written `2`; `1`, the same without
+//! permutations, is read too) and `slidesparse.layers`, a JSON list of [`LayerMeta`]. Every
+//! other tensor of a packed checkpoint is copied unchanged.
 //! Loading checks every field and the 2:4 validity of each `W'`, and fails with an error
 //! naming the file and tensor, never with a panic.
 
@@ -22,11 +25,15 @@ use crate::{
     error::{Result, SlideSparseError},
     pack::{PackedLinear, check_alignment},
     pattern::SparsityPattern,
+    permute::InputPermutation,
     weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
-/// Version written by this crate; readers reject any other.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version written by this crate (2: optional input permutations). Readers accept it and
+/// version 1, the same format without permutations, and reject any other.
+pub const FORMAT_VERSION: u32 = 2;
+/// Versions this crate reads.
+pub const READ_VERSIONS: [u32; 2] = [1, 2];
 /// Metadata key of the format version.
 pub const VERSION_KEY: &str = "slidesparse.format_version";
 /// Metadata key of the layer list.
@@ -37,6 +44,8 @@ pub const MAX_DIMENSION: usize = 1 << 31;
 pub const WEIGHT_SUFFIX: &str = ".slidesparse.weight";
 /// Suffix of a packed layer's scales.
 pub const SCALE_SUFFIX: &str = ".slidesparse.weight_scale";
+/// Suffix of a packed layer's input permutation (version 2).
+pub const PERMUTATION_SUFFIX: &str = ".slidesparse.input_permutation";
 
 /// Description of one packed layer in the file metadata.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -64,6 +73,9 @@ pub struct LayerMeta {
     /// checked against the original).
     #[serde(default)]
     pub prune: Option<String>,
+    /// Whether an input permutation tensor is stored (version 2; absent in version 1: no).
+    #[serde(default)]
+    pub input_permutation: bool,
 }
 
 impl LayerMeta {
@@ -80,6 +92,7 @@ impl LayerMeta {
             alignment: layer.alignment,
             bias: layer.bias.is_some(),
             prune: None,
+            input_permutation: layer.input_permutation.is_some(),
         }
     }
 }
@@ -162,6 +175,16 @@ pub fn layer_tensors(layer: &PackedLinear) -> (LayerMeta, Vec<(String, OwnedTens
                 dtype: Dtype::F32,
                 shape: vec![rows],
                 data: f32_bytes(bias),
+            },
+        ));
+    }
+    if let Some(p) = &layer.input_permutation {
+        tensors.push((
+            format!("{}{PERMUTATION_SUFFIX}", meta.prefix),
+            OwnedTensor {
+                dtype: Dtype::U32,
+                shape: vec![p.len()],
+                data: p.as_slice().iter().flat_map(|v| v.to_le_bytes()).collect(),
             },
         ));
     }
@@ -326,9 +349,14 @@ pub fn read_layer_metas(
     let version = metadata
         .get(VERSION_KEY)
         .ok_or_else(|| bad(format!("no {VERSION_KEY}: not a SlideSparse packed file")))?;
-    if version.trim() != FORMAT_VERSION.to_string() {
+    let readable = version
+        .trim()
+        .parse::<u32>()
+        .is_ok_and(|v| READ_VERSIONS.contains(&v));
+    if !readable {
         return Err(bad(format!(
-            "format version {version:?} is not supported (this build reads version {FORMAT_VERSION})"
+            "format version {version:?} is not supported (this build reads versions \
+             {READ_VERSIONS:?})"
         )));
     }
     let layers = metadata
@@ -488,9 +516,59 @@ fn read_layer(path: &str, st: &SafeTensors<'_>, meta: &LayerMeta) -> Result<Pack
             scales,
         },
         bias,
+        input_permutation: read_permutation(path, st, meta)?,
     };
     layer.validate().map_err(|e| bad(e.to_string()))?;
     Ok(layer)
+}
+
+/// The layer's input permutation, if its metadata says one is stored: `U32` or `I32 [K]`,
+/// a permutation of `0..K`.
+fn read_permutation(
+    path: &str,
+    st: &SafeTensors<'_>,
+    meta: &LayerMeta,
+) -> Result<Option<InputPermutation>> {
+    if !meta.input_permutation {
+        return Ok(None);
+    }
+    let name = format!("{}{PERMUTATION_SUFFIX}", meta.prefix);
+    let view = tensor(path, st, &name)?;
+    check_tensor_shape(&name, &view, &[meta.in_features])?;
+    read_order(&name, &view)
+        .map(Some)
+        .map_err(|e| SlideSparseError::packed(path, e.to_string()))
+}
+
+/// An input permutation tensor (`U32` or `I32 [K]`) named `name`: a permutation of `0..K`.
+pub fn read_order(name: &str, view: &TensorView<'_>) -> Result<InputPermutation> {
+    if view.shape().len() != 1 {
+        return Err(SlideSparseError::shape(name, "[K]", view.shape()));
+    }
+    let words = view
+        .data()
+        .chunks_exact(4)
+        .map(|c| [c[0], c[1], c[2], c[3]]);
+    let order: Vec<u32> = match view.dtype() {
+        Dtype::U32 => words.map(u32::from_le_bytes).collect(),
+        // A negative index is no channel: mapped past every valid one.
+        Dtype::I32 => words
+            .map(|w| u32::try_from(i32::from_le_bytes(w)).unwrap_or(u32::MAX))
+            .collect(),
+        other => {
+            return Err(SlideSparseError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+                context: "an input permutation is U32 (or I32)".into(),
+            });
+        }
+    };
+    InputPermutation::new(order).map_err(|e| match e {
+        SlideSparseError::InvalidPermutation { detail } => SlideSparseError::InvalidPermutation {
+            detail: format!("{name}: {detail}"),
+        },
+        other => other,
+    })
 }
 
 #[cfg(test)]

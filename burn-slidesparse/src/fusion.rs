@@ -198,6 +198,7 @@ impl<B: FusionBackend + SlideSparseBackend> SlideSparseBackend for Fusion<B> {
             weight: weights.weight,
             bias: weights.bias.map(to_inner),
             device: weights.device,
+            input_permutation: weights.input_permutation,
         })?;
         Ok(FusionPrepared {
             inner,

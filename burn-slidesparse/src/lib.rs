@@ -37,6 +37,7 @@ mod maybe_sparse;
 mod native_ops;
 mod pack;
 mod pattern;
+mod permute;
 mod prune;
 mod quantized_linear;
 mod reference;
@@ -77,7 +78,9 @@ pub use cube::CubePrepared;
 #[cfg(feature = "cuda")]
 pub use decode_graph::{DecodeGraph, DecodeModel};
 pub use error::{Result, SlideSparseError};
-pub use format::{FORMAT_VERSION, LayerMeta, PackedFile, read_f32, save_layers};
+pub use format::{
+    FORMAT_VERSION, LayerMeta, PERMUTATION_SUFFIX, PackedFile, read_f32, save_layers,
+};
 #[cfg(feature = "fusion")]
 pub use fusion::FusionPrepared;
 pub use load::{load_file, load_packed, load_packed_file, load_record};
@@ -85,6 +88,9 @@ pub use masked_linear::MaskedLinear;
 pub use maybe_sparse::{MaybeSparseLinear, VisitLinears};
 pub use pack::{DEFAULT_ALIGNMENT, LayerSpec, PackOptions, PackStats, PackedLinear, pack_linear};
 pub use pattern::SparsityPattern;
+pub use permute::{
+    ChannelPermutation, InputPermutation, PermutationOutcome, PermutationSearch, search_permutation,
+};
 pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
 pub use quantized_linear::QuantizedLinear;
 pub use reference::ReferencePrepared;
@@ -122,6 +128,10 @@ pub mod internals {
     /// Sparsity patterns.
     pub mod pattern {
         pub use crate::pattern::*;
+    }
+    /// Input-channel permutations and their search.
+    pub mod permute {
+        pub use crate::permute::*;
     }
     /// Pruning to a pattern.
     pub mod prune {

@@ -17,6 +17,9 @@
 //! Conversions: [`MaskedLinear::from_linear`] prunes an `nn::Linear` (magnitude or
 //! activation-aware, as the packer does), [`MaskedLinear::to_sparse`] packs the trained layer
 //! into a [`SlideSparseLinear`] for inference (the pattern is checked, nothing is re-pruned).
+//! [`MaskedLinear::from_linear_permuted`] prunes in an input-channel order: the weight stays
+//! in the original order and its mask satisfies the pattern in the permuted one, which the
+//! layer keeps for [`check`](MaskedLinear::check) and packing.
 
 use burn::{
     module::{Module, Param, ParamId},
@@ -28,6 +31,7 @@ use crate::{
     error::{Result, SlideSparseError},
     pack::PackOptions,
     pattern::SparsityPattern,
+    permute::{ChannelPermutation, InputPermutation},
     prune::{PruneMethod, check_pattern, prune},
     reference::{quantize_codes, token_scales},
     sparse_linear::{SlideSparseLinear, to_vec_f32},
@@ -45,6 +49,10 @@ pub struct MaskedLinear<B: Backend> {
     /// training), or `None` for the f32 function. Not stored in records.
     #[module(skip)]
     pub quantization: Option<Precision>,
+    /// The input order the mask was chosen in (the pattern holds on the weight's columns in
+    /// this order), or `None` for the original order. Not stored in records.
+    #[module(skip)]
+    pub input_permutation: Option<InputPermutation>,
 }
 
 impl<B: Backend> MaskedLinear<B> {
@@ -54,12 +62,33 @@ impl<B: Backend> MaskedLinear<B> {
         pattern: SparsityPattern,
         method: &PruneMethod,
     ) -> Result<Self> {
+        Self::from_linear_permuted(linear, pattern, method, None)
+    }
+
+    /// Prunes `linear` to `pattern` with `method` in the input order `permutation` (the
+    /// method's calibration given in the original order, as for the packer) and masks it;
+    /// the weight and mask stay in the original order.
+    pub fn from_linear_permuted(
+        linear: Linear<B>,
+        pattern: SparsityPattern,
+        method: &PruneMethod,
+        permutation: Option<InputPermutation>,
+    ) -> Result<Self> {
         let weight = linear.weight.val();
         let (device, dtype) = (weight.device(), weight.dtype());
         let [d_in, d_out] = weight.dims();
         // The pruner works on the PyTorch layout `[out, in]`, blocks along `in`.
         let w = to_vec_f32(weight.transpose().into_data(), "linear weight")?;
-        let pruned = prune("linear.weight", &w, d_out, d_in, pattern, method)?;
+        let pruned = match &permutation {
+            Some(p) => {
+                p.check_len("linear.weight", d_in)?;
+                let permuted = p.permute_columns(&w);
+                let method = p.permute_method(method);
+                let pruned = prune("linear.weight", &permuted, d_out, d_in, pattern, &method)?;
+                p.unpermute_columns(&pruned)
+            }
+            None => prune("linear.weight", &w, d_out, d_in, pattern, method)?,
+        };
         let mask: Vec<f32> = pruned
             .iter()
             .map(|v| if *v != 0.0 { 1.0 } else { 0.0 })
@@ -77,6 +106,7 @@ impl<B: Backend> MaskedLinear<B> {
             },
             mask: Param::from_tensor(mask).set_require_grad(false),
             quantization: None,
+            input_permutation: permutation.filter(|p| !p.is_identity()),
         })
     }
 
@@ -140,14 +170,23 @@ impl<B: Backend> MaskedLinear<B> {
             },
             mask: self.mask,
             quantization: self.quantization,
+            input_permutation: self.input_permutation,
         }
     }
 
-    /// Errors unless the stored weight satisfies `pattern` and is zero wherever the mask is.
+    /// Errors unless the stored weight satisfies `pattern` (in the layer's input order) and
+    /// is zero wherever the mask is.
     pub fn check(&self, pattern: SparsityPattern) -> Result<()> {
         let weight = self.linear.weight.val();
         let [d_in, d_out] = weight.dims();
         let w = to_vec_f32(weight.clone().transpose().into_data(), "weight")?;
+        let w = match &self.input_permutation {
+            Some(p) => {
+                p.check_len("masked weight", d_in)?;
+                p.permute_columns(&w)
+            }
+            None => w,
+        };
         check_pattern("masked weight", &w, d_out, d_in, pattern)?;
         let outside = to_vec_f32(
             (weight * (self.mask.val().neg() + 1.0))
@@ -166,8 +205,8 @@ impl<B: Backend> MaskedLinear<B> {
     }
 
     /// Packs the trained layer for inference with `options` (its pattern must be the mask's;
-    /// pruning is replaced by a check, so the packed layer computes the masked function up
-    /// to quantization).
+    /// pruning is replaced by a check, and the layer's input order replaces the options',
+    /// so the packed layer computes the masked function up to quantization).
     pub fn to_sparse(&self, options: &PackOptions) -> Result<SlideSparseLinear<B>> {
         let linear = Linear {
             weight: Param::from_tensor(self.effective_weight()),
@@ -175,6 +214,10 @@ impl<B: Backend> MaskedLinear<B> {
         };
         let options = PackOptions {
             prune: PruneMethod::None,
+            permutation: self
+                .input_permutation
+                .clone()
+                .map_or(ChannelPermutation::Identity, ChannelPermutation::Given),
             ..options.clone()
         };
         SlideSparseLinear::from_linear(&linear, &options)

@@ -1,5 +1,7 @@
 //! The offline packer: prune -> quantize -> slide -> verify, for one linear layer.
 
+use std::borrow::Cow;
+
 use cubecl_kernels::geometry::SlideGeometry;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -7,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
+    permute::{ChannelPermutation, InputPermutation},
     prune::{self, PruneMethod},
     slide::{self, SlideElement, SlideFailure, UnslideError},
     weight_quant::{
@@ -29,6 +32,11 @@ pub struct PackOptions {
     pub prune: PruneMethod,
     /// `K'` is rounded up to a multiple of this (power of two, >= 32 for 8-bit, >= 16 else).
     pub alignment: usize,
+    /// How the input channels are ordered before pruning (default: as they are). A packed
+    /// layer with a permutation computes the same function of its input in the original
+    /// order: its lift reads the input through the permutation.
+    #[serde(default)]
+    pub permutation: ChannelPermutation,
 }
 
 impl PackOptions {
@@ -39,6 +47,7 @@ impl PackOptions {
             precision,
             prune: PruneMethod::Magnitude,
             alignment: DEFAULT_ALIGNMENT,
+            permutation: ChannelPermutation::Identity,
         }
     }
 
@@ -99,6 +108,10 @@ pub struct PackedLinear {
     pub weight: QuantizedWeight,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Vec<f32>>,
+    /// The order of the input channels `W'` was pruned and slid in (format version 2):
+    /// column `j` of the un-slid weight belongs to input channel `order[j]`, and the lift
+    /// reads `X[:, order[src(o)]]`. `None`: the original order.
+    pub input_permutation: Option<InputPermutation>,
 }
 
 impl PackedLinear {
@@ -140,11 +153,29 @@ impl PackedLinear {
             + self.bias.as_ref().map_or(0, |b| 4 * b.len())
     }
 
-    /// Un-slides `W'` back to the pruned, quantized `[out, K]` weight. Fails if `W'` is not a
-    /// valid slide (a nonzero in padding, or two nonzeros mapping to one column).
+    /// The lift map of the layer's activations (`map[o]` = input column read by slid column
+    /// `o`, `K` for a zero), the permutation folded in.
+    pub fn lift_map_with_zero_column(&self) -> Vec<usize> {
+        let map = self.geometry().lift_map_with_zero_column();
+        match &self.input_permutation {
+            Some(p) => p.compose_lift_map(&map),
+            None => map,
+        }
+    }
+
+    /// Un-slides `W'` back to the pruned, quantized `[out, K]` weight, in the original channel
+    /// order (un-permuted). Fails if `W'` is not a valid slide (a nonzero in padding, or two
+    /// nonzeros mapping to one column) or the permutation is not one of `K` channels.
     pub fn unslide(&self) -> Result<QuantizedWeight> {
         let geometry = self.geometry();
         let codes = map_codes!(&self.weight.codes, v => unslide_matrix(&self.name, v, self.weight.rows, &geometry)?);
+        let codes = match &self.input_permutation {
+            Some(p) => {
+                p.check_len(&self.name, self.in_features)?;
+                map_codes!(&codes, v => p.unpermute_columns(v))
+            }
+            None => codes,
+        };
         Ok(QuantizedWeight {
             rows: self.weight.rows,
             cols: self.in_features,
@@ -378,18 +409,27 @@ pub fn pack_linear(
             0,
         ));
     }
-    let pruner = prune::row_pruner(
+    let permutation = options.permutation.resolve(
         name,
         weight,
+        (out_features, in_features),
+        options.pattern,
+        &options.prune,
+    )?;
+    // Pruned, quantized and slid in the permuted order.
+    let (weight, method) = permuted(permutation.as_ref(), weight, &options.prune);
+    let pruner = prune::row_pruner(
+        name,
+        &weight,
         out_features,
         in_features,
         options.pattern,
-        &options.prune,
+        &method,
     )?;
     let geometry = options.pattern.geometry(in_features, options.alignment);
     let job = RowJob {
         name,
-        weight,
+        weight: &weight,
         rows: out_features,
         pattern: options.pattern,
         geometry: &geometry,
@@ -402,10 +442,12 @@ pub fn pack_linear(
         Precision::F16 => pack_rows::<half::f16>(&job),
         Precision::F32 => pack_rows::<f32>(&job),
     }?;
+    // The reference is in the original order: the scales are per row, so un-permuting the
+    // codes gives exactly the quantization of the un-permuted pruned weight.
     let quantized = QuantizedWeight {
         rows: out_features,
         cols: in_features,
-        codes: rows.codes,
+        codes: unpermuted(permutation.as_ref(), rows.codes),
         scales: rows.scales,
     };
     let packed = PackedLinear {
@@ -420,6 +462,7 @@ pub fn pack_linear(
             scales: quantized.scales.clone(),
         },
         bias: bias.map(<[f32]>::to_vec),
+        input_permutation: permutation,
     };
     let sums = rows.sums;
     let relative = |num: f64| {
@@ -441,6 +484,29 @@ pub fn pack_linear(
         packed_bytes: packed.stored_bytes(),
     };
     Ok((packed, quantized, stats))
+}
+
+/// The weight and prune method in the order `permutation` gives (borrowed without one).
+fn permuted<'a>(
+    permutation: Option<&InputPermutation>,
+    weight: &'a [f32],
+    method: &'a PruneMethod,
+) -> (Cow<'a, [f32]>, Cow<'a, PruneMethod>) {
+    match permutation {
+        Some(p) => (
+            Cow::Owned(p.permute_columns(weight)),
+            Cow::Owned(p.permute_method(method)),
+        ),
+        None => (Cow::Borrowed(weight), Cow::Borrowed(method)),
+    }
+}
+
+/// `[rows, K]` codes in the permuted order back in the original order.
+fn unpermuted(permutation: Option<&InputPermutation>, codes: WeightCodes) -> WeightCodes {
+    match permutation {
+        Some(p) => map_codes!(&codes, v => p.unpermute_columns(v)),
+        None => codes,
+    }
 }
 
 /// What [`pack_rows`] works on: one layer's dense weight and how to prune and slide it.
@@ -634,7 +700,8 @@ fn row_failure(job: &RowJob<'_>, row: usize, f: RowFailure) -> SlideSparseError 
 }
 
 /// Prunes and quantizes exactly as [`pack_linear`] does, without sliding: the reference a
-/// packed layer must un-slide to.
+/// packed layer must un-slide to, in the original channel order (pruned in the permuted
+/// order when `options` has a permutation, then un-permuted).
 pub fn prune_and_quantize(
     name: &str,
     weight: &[f32],
@@ -642,14 +709,26 @@ pub fn prune_and_quantize(
     in_features: usize,
     options: &PackOptions,
 ) -> Result<QuantizedWeight> {
-    let pruned = prune::prune(
+    let permutation = options.permutation.resolve(
         name,
         weight,
-        out_features,
-        in_features,
+        (out_features, in_features),
         options.pattern,
         &options.prune,
     )?;
+    let (permuted_weight, method) = permuted(permutation.as_ref(), weight, &options.prune);
+    let pruned = prune::prune(
+        name,
+        &permuted_weight,
+        out_features,
+        in_features,
+        options.pattern,
+        &method,
+    )?;
+    let pruned = match &permutation {
+        Some(p) => p.unpermute_columns(&pruned),
+        None => pruned,
+    };
     Ok(quantize_weight(
         &pruned,
         out_features,

@@ -14,6 +14,7 @@ use crate::{
 mod sparsegpt;
 
 pub use sparsegpt::SparseGptCalibration;
+pub(crate) use sparsegpt::obs_column_factors;
 
 /// How to choose the weights that survive in each block.
 #[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]

@@ -38,16 +38,24 @@ pub struct ReferencePrepared<B: Backend> {
     pub lift: Option<Tensor<B, 1, Int>>,
 }
 
-/// Uploads the transposed weight values for the matmul and builds the lift map.
+/// Uploads the transposed weight values for the matmul and builds the lift map (the input
+/// permutation folded in). Panics if the permutation's length is not the layer's `K`.
 pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
     let spec = weights.spec;
     let device = weights.device;
-    let lift: Vec<i64> = spec
-        .geometry()
-        .lift_map_with_zero_column()
-        .into_iter()
-        .map(|i| i as i64)
-        .collect();
+    let mut map = spec.geometry().lift_map_with_zero_column();
+    if let Some(p) = &weights.input_permutation {
+        // A permuted layer reads its input through the permutation: one gather, the same.
+        assert_eq!(
+            p.len(),
+            spec.in_features,
+            "SlideSparse layer: the input permutation orders {} channels, the layer has {}",
+            p.len(),
+            spec.in_features
+        );
+        map = p.compose_lift_map(&map);
+    }
+    let lift: Vec<i64> = map.into_iter().map(|i| i as i64).collect();
     let k_prime = lift.len();
     ReferencePrepared {
         precision: spec.precision,

@@ -19,6 +19,7 @@ use std::fmt;
 use crate::{
     error::{Result, SlideSparseError},
     pack::PackedLinear,
+    permute::InputPermutation,
     slide::SlideElement,
     weight_quant::{QuantizedWeight, WeightCodes, map_codes},
 };
@@ -80,16 +81,49 @@ pub fn shard_packed(
             let geometry = layer.pattern.geometry(k_shard, layer.alignment);
             // Whole blocks, so the shard's slid columns are one contiguous range of `W'`.
             let slid = geometry.k_slide();
-            Ok((0..ranks)
-                .map(|r| PackedLinear {
-                    in_features: k_shard,
-                    weight: take_columns(&layer.weight, r * slid, slid, geometry.k_prime()),
-                    bias: layer.bias.clone().filter(|_| r == 0),
-                    ..layer.clone_without_weights()
+            (0..ranks)
+                .map(|r| {
+                    Ok(PackedLinear {
+                        in_features: k_shard,
+                        weight: take_columns(&layer.weight, r * slid, slid, geometry.k_prime()),
+                        bias: layer.bias.clone().filter(|_| r == 0),
+                        input_permutation: local_permutation(layer, ranks, r, k_shard)?,
+                        ..layer.clone_without_weights()
+                    })
                 })
-                .collect())
+                .collect()
         }
     }
+}
+
+/// Rank `rank`'s part of a row-parallel layer's input permutation, in the rank's own input
+/// columns. A rank reads only its slice of `K`, so the permutation must keep every slice's
+/// channels within the slice; one that moves a channel across ranks cannot be split.
+fn local_permutation(
+    layer: &PackedLinear,
+    ranks: usize,
+    rank: usize,
+    k_shard: usize,
+) -> Result<Option<InputPermutation>> {
+    let Some(p) = &layer.input_permutation else {
+        return Ok(None);
+    };
+    let start = rank * k_shard;
+    let slice = &p.as_slice()[start..start + k_shard];
+    let local: Option<Vec<u32>> = slice
+        .iter()
+        .map(|&c| (c as usize).checked_sub(start).filter(|&c| c < k_shard))
+        .map(|c| c.map(|c| c as u32))
+        .collect();
+    let local = local.ok_or_else(|| SlideSparseError::InvalidSplit {
+        layer: layer.name.clone(),
+        ranks,
+        detail: format!(
+            "row-parallel: the input permutation moves channels across the ranks' slices of K              (rank {rank} reads channels {start}..{}): pack with a permutation within each              slice, or without one",
+            start + k_shard
+        ),
+    })?;
+    Ok(Some(InputPermutation::new(local)?).filter(|p| !p.is_identity()))
 }
 
 /// Splits a dense quantized `[out, K]` weight and its bias over `ranks` ranks, rank 0 first
@@ -263,6 +297,7 @@ impl PackedLinear {
                 scales: Vec::new(),
             },
             bias: None,
+            input_permutation: self.input_permutation.clone(),
         }
     }
 }

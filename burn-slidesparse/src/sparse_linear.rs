@@ -77,6 +77,7 @@ impl SlideSparseLinearConfig {
                 scales: vec![1.0; n],
             },
             bias: self.bias.then(|| vec![0.0; n]),
+            input_permutation: None,
         };
         Ok(SlideSparseLinear::from_packed_owned(packed, device))
     }
@@ -127,7 +128,8 @@ impl<B: Backend> SlideSparseLinear<B> {
         let spec = packed.spec();
         let rows = packed.weight.rows;
         Self {
-            weight: WeightCodesModule::new(packed.weight, device),
+            weight: WeightCodesModule::new(packed.weight, device)
+                .with_input_permutation(packed.input_permutation),
             bias: packed.bias.map(|b| float_param(b, &[rows], device)),
             spec,
             prepared: PreparedSlot::default(),
@@ -179,6 +181,7 @@ impl<B: Backend> SlideSparseLinear<B> {
                 precision,
                 prune,
                 alignment: DEFAULT_ALIGNMENT,
+                permutation: Default::default(),
             },
         )
     }
@@ -197,6 +200,7 @@ impl<B: Backend> SlideSparseLinear<B> {
                 Some(b) => Some(to_vec_f32(b.val().into_data(), "bias")?),
                 None => None,
             },
+            input_permutation: self.weight.input_permutation().cloned(),
         };
         packed.validate()?;
         Ok(packed)
@@ -209,6 +213,7 @@ impl<B: Backend> SlideSparseLinear<B> {
             weight: Arc::clone(self.weight.weight()),
             bias: self.bias.as_ref().map(|b| b.val()),
             device: self.weight.device().clone(),
+            input_permutation: self.weight.input_permutation().cloned(),
         }
     }
 }

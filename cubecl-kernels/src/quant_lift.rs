@@ -194,7 +194,9 @@ pub const STAGE_BYTES: usize = 48 * 1024;
 ///
 /// `nan` must be `f32::NAN` (passed at run time, see below). `n == 0` means no lift (dense
 /// baseline: `X'[m, o] = X[m, o]` for `o < K`); otherwise the SlideSparse lift of pattern
-/// `(2n-2):2n`. `k_slide` is `K` for the dense baseline. The host guarantees
+/// `(2n-2):2n`. `k_slide` is `K` for the dense baseline. With `permuted`, the layer's input
+/// permutation `perm [K]` (`perm[j]`: the input channel of position `j`) is folded into the
+/// map: `X'[m, o] = X[m, perm[src(o)]]` (otherwise `perm` is not read). The host guarantees
 /// `K % VI == 0`, `K' % VO == 0`, `VO % 4 == 0` and `staged >= K` when staged.
 ///
 /// `_input_type` names `F`'s storage type: CubeCL 0.10 compiles `F: Float` as a dynamic type, and
@@ -203,6 +205,7 @@ pub const STAGE_BYTES: usize = 48 * 1024;
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     x: &Array<Vector<F, VI>>,
+    perm: &Array<u32>,
     out: &mut Array<Vector<Q, VO>>,
     scales: &mut Array<f32>,
     m: u32,
@@ -213,6 +216,7 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     #[comptime] n: u32,
     #[comptime] mode: LiftMode,
     #[comptime] staged: usize,
+    #[comptime] permuted: bool,
     #[define(F)] _input_type: StorageType,
 ) {
     let vi = x.vector_size().comptime();
@@ -278,10 +282,13 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
                 let per_block = comptime!((n - 1) as usize);
                 (w / per_block) * comptime!((2 * n) as usize) + 2 * (w % per_block)
             };
-            let src = src0 + comptime!(l % 4);
+            let mut src = src0 + comptime!(l % 4);
             let valid = row_ok && o < k_slide as usize && src < k as usize;
             let mut value = 0.0f32;
             if valid {
+                if comptime!(permuted) {
+                    src = perm[src] as usize;
+                }
                 if comptime!(staged > 0) {
                     value = f32::cast_from(stage[src]);
                 } else {
@@ -318,9 +325,16 @@ pub fn quant_lift_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
 /// Output vectors past the last group's (the `K'` alignment tail) are written as zeros. The
 /// host guarantees `K % VI == 0`, `K' % VO == 0` and `groups_per_unit * CUBE_DIM` groups
 /// cover the row.
+///
+/// With `permuted > 0` the layer's input permutation `perm [K]` is folded into the lift
+/// (`X'[m, o] = X[m, perm[src(o)]]`): each row is first staged in shared memory (`permuted`
+/// elements, at least `K`) with the same 16-byte loads, then every unit gathers its groups'
+/// inputs from there through `perm`; the rest is the same. The host guarantees no prefetch
+/// and no staged stores then (`perm` is not read otherwise).
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     x: &Array<Vector<F, VI>>,
+    perm: &Array<u32>,
     out: &mut Array<Vector<Q, VO>>,
     scales: &mut Array<f32>,
     m: u32,
@@ -331,6 +345,7 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
     #[comptime] n: u32,
     #[comptime] mode: LiftMode,
     #[comptime] layout: GroupedLayout,
+    #[comptime] permuted: usize,
     #[define(F)] _input_type: StorageType,
 ) {
     let vi = x.vector_size().comptime();
@@ -364,6 +379,19 @@ pub fn quant_lift_grouped_kernel<F: Float, Q: Scalar, VI: Size, VO: Size>(
                 row_in_vectors,
                 layout.groups_per_unit,
                 in_vectors,
+            );
+        } else if comptime!(permuted > 0) {
+            gather_groups(
+                x,
+                perm,
+                &mut held,
+                row,
+                m,
+                k,
+                row_in_vectors,
+                layout.groups_per_unit,
+                in_vectors,
+                permuted,
             );
         } else {
             load_groups(
@@ -456,6 +484,63 @@ fn load_groups<F: Float, VI: Size>(
                 }
                 held[g * in_vectors + v] = value;
             }
+        }
+    }
+}
+
+/// One row's groups of this unit into `held` through the input permutation: the row staged
+/// in shared memory (`staged >= K` elements) with whole-vector loads by every unit, then each
+/// held element gathered from there, `held[p] = X[row, perm[p]]` (zeros past `K` and for
+/// rows `>= m`).
+///
+/// Barriers: the one after staging makes the row visible to every unit; the next row's
+/// staging overwrites it only after [`quantize_lift_row`]'s block reduction, which every
+/// unit enters after its gathers.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gather_groups<F: Float, VI: Size>(
+    x: &Array<Vector<F, VI>>,
+    perm: &Array<u32>,
+    held: &mut Array<Vector<F, VI>>,
+    row: usize,
+    m: u32,
+    k: u32,
+    row_in_vectors: usize,
+    #[comptime] groups_per_unit: usize,
+    #[comptime] in_vectors: usize,
+    #[comptime] staged: usize,
+) {
+    let vi = VI::value().comptime();
+    let mut stage = SharedMemory::<F>::new(staged);
+    let real_row = row < m as usize;
+    if real_row {
+        let base = row * row_in_vectors;
+        let mut i = UNIT_POS as usize;
+        while i < row_in_vectors {
+            let v = x[base + i];
+            #[unroll]
+            for l in 0..vi {
+                stage[i * vi + l] = v[l];
+            }
+            i += CUBE_DIM as usize;
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for g in 0..groups_per_unit {
+        let group = UNIT_POS as usize + g * CUBE_DIM as usize;
+        #[unroll]
+        for v in 0..in_vectors {
+            let first = (group * in_vectors + v) * vi;
+            let mut value = Vector::<F, VI>::new(F::new(0.0));
+            #[unroll]
+            for l in 0..vi {
+                let p = first + l;
+                if real_row && p < k as usize {
+                    value[l] = stage[perm[p] as usize];
+                }
+            }
+            held[g * in_vectors + v] = value;
         }
     }
 }

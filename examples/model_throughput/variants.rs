@@ -159,6 +159,7 @@ pub(crate) fn convert_random<B: SlideSparseBackend>(
                     scales: vec![1e-3; n],
                 },
                 bias,
+                input_permutation: None,
             };
             SlideSparseLinear::from_packed_owned(packed, &device).into()
         };

@@ -1,4 +1,5 @@
-//! Writing plain f32 safetensors files (Hugging Face checkpoints) for the examples, atomically:
+//! Writing plain safetensors files (Hugging Face checkpoints: f32 weights, and the u32 input
+//! orders a fine-tuned mask holds in) for the examples, atomically:
 //! a temporary file in the same folder, synced, then renamed. Reading one is the library's
 //! `read_f32`; packed SlideSparse files have their own API (`PackedFile::load`,
 //! `PackedFile::save`, `save_layers`).
@@ -8,59 +9,71 @@ use std::{collections::HashMap, io::Write, path::Path};
 use burn_slidesparse::SlideSparseError;
 use safetensors::{Dtype, View};
 
-/// An f32 tensor to write: its name, shape (row-major) and values.
+/// A tensor to write: its name, shape (row-major), type and little-endian bytes.
 pub struct F32Tensor {
     /// The tensor's name in the file.
     pub name: String,
     /// Its shape.
     pub shape: Vec<usize>,
-    /// Its values, row-major.
-    pub values: Vec<f32>,
+    dtype: Dtype,
+    bytes: Vec<u8>,
 }
 
 impl F32Tensor {
-    /// A tensor of `values` with `shape`.
+    /// An f32 tensor of `values` with `shape`.
     pub fn new(name: impl Into<String>, shape: Vec<usize>, values: Vec<f32>) -> Self {
         Self {
             name: name.into(),
             shape,
-            values,
+            dtype: Dtype::F32,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    /// A u32 tensor (an input order a layer's mask holds in) of `values` with `shape`.
+    pub fn u32(name: impl Into<String>, shape: Vec<usize>, values: &[u32]) -> Self {
+        Self {
+            name: name.into(),
+            shape,
+            dtype: Dtype::U32,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         }
     }
 }
 
-/// One tensor as safetensors sees it: little-endian f32 bytes.
+/// One tensor as safetensors sees it.
 struct F32View<'a> {
     shape: &'a [usize],
-    bytes: Vec<u8>,
+    dtype: Dtype,
+    bytes: &'a [u8],
 }
 
 impl View for &F32View<'_> {
     fn dtype(&self) -> Dtype {
-        Dtype::F32
+        self.dtype
     }
     fn shape(&self) -> &[usize] {
         self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.bytes)
+        std::borrow::Cow::Borrowed(self.bytes)
     }
     fn data_len(&self) -> usize {
         self.bytes.len()
     }
 }
 
-/// Writes `tensors` as an F32 safetensors file at `path`, atomically.
+/// Writes `tensors` as a safetensors file at `path`, atomically.
 pub fn write_f32_safetensors(path: &Path, tensors: &[F32Tensor]) -> Result<(), SlideSparseError> {
     let views: Vec<(&str, F32View<'_>)> = tensors
         .iter()
         .map(|t| {
-            let bytes = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
             (
                 t.name.as_str(),
                 F32View {
                     shape: &t.shape,
-                    bytes,
+                    dtype: t.dtype,
+                    bytes: &t.bytes,
                 },
             )
         })

@@ -108,10 +108,8 @@ fn pack_once(mut cpu: Llama<Cpu>, mut gpu: Llama<Gpu>, calibration: &[u32]) -> M
     let packed = sparsify_with(&mut cpu, |name| {
         let input_norms = norms.get(name)?.clone();
         (name != "lm_head").then_some(PackOptions {
-            pattern: SparsityPattern::P6_8,
-            precision: Precision::Int8,
             prune: PruneMethod::ActivationAware { input_norms },
-            alignment: 64,
+            ..PackOptions::new(SparsityPattern::P6_8, Precision::Int8)
         })
     })
     .unwrap();

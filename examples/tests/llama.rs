@@ -320,6 +320,7 @@ fn calibration_norms_drive_activation_aware_packing() {
                 input_norms: norms.get(name)?.clone(),
             },
             alignment: 64,
+            permutation: Default::default(),
         })
     })
     .unwrap();

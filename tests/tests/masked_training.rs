@@ -119,6 +119,7 @@ fn an_optimizer_that_ignores_zero_gradients_is_undone_by_apply_mask() {
         },
         mask: layer.mask.clone(),
         quantization: None,
+        input_permutation: None,
     };
     assert!(polluted.check(pattern).is_err());
     // The function already ignores them; apply_mask makes the stored weights agree.

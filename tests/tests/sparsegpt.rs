@@ -318,6 +318,7 @@ fn the_pattern_is_always_exact() {
                 precision: Precision::Int8,
                 prune: method.clone(),
                 alignment: 64,
+                permutation: Default::default(),
             };
             pack_linear("w", &w, rows, k, None, &options).unwrap();
         }

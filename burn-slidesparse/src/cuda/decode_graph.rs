@@ -63,8 +63,8 @@ impl StepLinear {
     pub fn of<G>(layer: &GpuLayer<G>, what: &str) -> Result<Self> {
         let gemv = layer.gemv.clone().ok_or_else(|| SlideSparseError::Unsupported {
             what: format!("{what} in a decode graph"),
-            why: "it has no GEMV: the graph runs INT8 dense and INT8 6:8 layers (with \
-                  SLIDESPARSE_DECODE_GEMV on)"
+            why: "it has no GEMV: the graph runs INT8 dense and INT8 6:8 layers without an \
+                  input permutation (with SLIDESPARSE_DECODE_GEMV on)"
                 .into(),
         })?;
         Ok(Self {

@@ -169,6 +169,64 @@ pub fn launch_quant_lift_with(
     x: &Handle,
     codes: &Handle,
     scales: &Handle,
+    dims: (usize, usize, usize, usize, usize),
+    n: u32,
+    precision: Precision,
+    input: DType,
+) -> Result<()> {
+    launch_quant_lift_permuted(
+        kernel, client, x, None, codes, scales, dims, n, precision, input,
+    )
+}
+
+/// Shared-memory elements a permuted grouped launch stages each row in (`K` rounded up to
+/// 1024, so that layers of similar width share one kernel), or `None` where the row does
+/// not fit next to the block reduction's buffer.
+fn permuted_stage(k: usize, input_bytes: usize) -> Option<usize> {
+    let len = k.next_multiple_of(1024);
+    (len * input_bytes + 1024 <= STAGE_BYTES).then_some(len)
+}
+
+/// The grouped choice for a layer read through an input permutation: the same layout, its
+/// row staged for the gather, where the row fits shared memory and the layout neither loads
+/// ahead nor stages its stores (those use the registers and shared memory the gather
+/// needs); otherwise the row-staged kernel (`Auto`) or an error (an explicit layout).
+fn permuted_choice(
+    kernel: QuantKernel,
+    grouped: Option<(GroupedLayout, usize)>,
+    k: usize,
+    input_bytes: usize,
+) -> Result<Option<(GroupedLayout, usize, usize)>> {
+    let Some((layout, rows_per_cube)) = grouped else {
+        return Ok(None);
+    };
+    let stage = permuted_stage(k, input_bytes).filter(|_| !layout.prefetch && !layout.staged_stores);
+    match (stage, kernel) {
+        (Some(stage), _) => Ok(Some((layout, rows_per_cube, stage))),
+        (None, QuantKernel::Auto) => Ok(None),
+        (None, _) => Err(SlideSparseError::Unsupported {
+            what: "the grouped quant kernel with an input permutation".into(),
+            why: format!(
+                "it stages the row (K = {k}, {input_bytes}-byte inputs) in shared memory and \
+                 takes no prefetch and no staged stores (asked: {layout:?})"
+            ),
+        }),
+    }
+}
+
+/// [`launch_quant_lift_with`] for a layer read through an input permutation: `perm` (`u32
+/// [k]` on the device, `perm[j]` the input channel of position `j`) folded into the lift
+/// map, `X'[m, o] = X[m, perm[src(o)]]`; `None` is the original order (then the launch is
+/// exactly [`launch_quant_lift_with`]'s). The grouped kernel gathers from the row staged in
+/// shared memory; rows that do not fit there take the row-staged kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_quant_lift_permuted(
+    kernel: QuantKernel,
+    client: &Client,
+    x: &Handle,
+    perm: Option<&Handle>,
+    codes: &Handle,
+    scales: &Handle,
     (m, m_pad, k, k_slide, k_out): (usize, usize, usize, usize, usize),
     n: u32,
     precision: Precision,
@@ -209,8 +267,12 @@ pub fn launch_quant_lift_with(
             Some(explicit_layout(k, n, (input_bytes, elem), asked)?)
         }
     };
+    let grouped = match perm {
+        Some(_) => permuted_choice(kernel, grouped, k, input_bytes)?,
+        None => grouped.map(|(layout, rows_per_cube)| (layout, rows_per_cube, 0)),
+    };
     let (vi, dim, staged) = match grouped {
-        Some((layout, _)) => (16 / input_bytes, CubeDim::new_1d(layout.units as u32), 0),
+        Some((layout, ..)) => (16 / input_bytes, CubeDim::new_1d(layout.units as u32), 0),
         None => {
             // Round the staged length so that layers of similar width share one kernel.
             let staged_len = k.next_multiple_of(1024);
@@ -228,7 +290,9 @@ pub fn launch_quant_lift_with(
         }
     };
     let count = match grouped {
-        Some((_, rows_per_cube)) => CubeCount::Static(m_pad.div_ceil(rows_per_cube) as u32, 1, 1),
+        Some((_, rows_per_cube, _)) => {
+            CubeCount::Static(m_pad.div_ceil(rows_per_cube) as u32, 1, 1)
+        }
         None => CubeCount::Static(m_pad as u32, 1, 1),
     };
     let scalars = (m as u32, k as u32, k_slide as u32, k_out as u32);
@@ -240,14 +304,20 @@ pub fn launch_quant_lift_with(
         (vo, m_pad * k_out / vo)
     };
     // SAFETY: buffer sizes match the lengths given; the kernels bound every access by them.
+    // Without a permutation the kernels never read `perm`: the input stands in for it (both
+    // are read-only, so the alias is harmless), which costs no allocation per launch.
     unsafe {
         let x_arg = ArrayArg::from_raw_parts(x.clone(), m * k / vi);
+        let perm_arg = match perm {
+            Some(p) => ArrayArg::from_raw_parts(p.clone(), k),
+            None => ArrayArg::from_raw_parts(x.clone(), 1),
+        };
         let out = ArrayArg::from_raw_parts(codes.clone(), out_len);
         let s = ArrayArg::from_raw_parts(scales.clone(), m_pad);
         macro_rules! go {
             ($q:ty, $grouped_q:ty) => {
                 match grouped {
-                    Some((layout, _)) => {
+                    Some((layout, _, permuted)) => {
                         quant_lift_grouped_kernel::launch_unchecked::<$grouped_q, Runtime>(
                             client,
                             count,
@@ -256,6 +326,7 @@ pub fn launch_quant_lift_with(
                             vi,
                             out_vector,
                             x_arg,
+                            perm_arg,
                             out,
                             s,
                             scalars.0,
@@ -266,6 +337,7 @@ pub fn launch_quant_lift_with(
                             n,
                             mode,
                             layout,
+                            permuted,
                             input.into(),
                         )
                     }
@@ -277,6 +349,7 @@ pub fn launch_quant_lift_with(
                         vi,
                         vo,
                         x_arg,
+                        perm_arg,
                         out,
                         s,
                         scalars.0,
@@ -287,6 +360,7 @@ pub fn launch_quant_lift_with(
                         n,
                         mode,
                         staged,
+                        perm.is_some(),
                         input.into(),
                     ),
                 }

@@ -26,7 +26,7 @@ use super::{
     config::config,
     gemm::{GemmBuffers, LayerGemm},
     gemv::{Gemv, GemvParams, MAX_TOKENS},
-    launch::{launch_epilogue, launch_quant_lift},
+    launch::{QuantKernel, launch_epilogue, launch_quant_lift, launch_quant_lift_permuted},
     memory::ensure_fits,
     queued::{Call, lanes, submit},
     runtime::{Client, Runtime},
@@ -82,6 +82,8 @@ pub struct GpuLayer<G> {
     /// Our GEMV for forwards of up to 16 tokens (INT8 layers with `SLIDESPARSE_DECODE_GEMV`
     /// on).
     pub(crate) gemv: Option<Arc<Gemv>>,
+    /// The input permutation `[K]` (u32) folded into the lift, if the layer has one.
+    pub(crate) permutation: Option<Handle>,
     pub(crate) state: Arc<Mutex<DeviceState>>,
 }
 
@@ -127,9 +129,11 @@ impl<G: LayerGemm> GpuLayer<G> {
         let accumulator = G::accumulator(precision, dtype);
         let ([codes, token_scales, acc], out) =
             self.forward_buffers(&client, (m, m_pad), accumulator, dtype)?;
-        launch_quant_lift(
+        launch_quant_lift_permuted(
+            QuantKernel::Auto,
             &client,
             &x.handle,
+            self.permutation.as_ref(),
             &codes.handle,
             &token_scales.handle,
             (m, m_pad, k, q.k_slide, q.k_out),

@@ -22,6 +22,7 @@ use crate::{
     compact::CompactCodes,
     error::{Result, SlideSparseError},
     pack::LayerSpec,
+    permute::InputPermutation,
     weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
@@ -173,6 +174,7 @@ impl GpuLayer<SparseGemm> {
             scale,
             bias,
             gemv,
+            permutation: None,
             state,
         })
     }
@@ -199,6 +201,29 @@ fn sparse_gemv(
         "SlideSparseLinear weight",
     )?;
     Ok(Some(Arc::new(Gemv::compact(client, &compact)?)))
+}
+
+impl GpuLayer<SparseGemm> {
+    /// The layer reading its input through `permutation` (uploaded as `u32 [K]`), folded into
+    /// the quant+lift kernel's map; `None` keeps the original order.
+    pub fn with_input_permutation(
+        self,
+        client: &Client,
+        permutation: Option<&InputPermutation>,
+    ) -> Result<Self> {
+        let Some(p) = permutation else {
+            return Ok(self);
+        };
+        p.check_len("SlideSparseLinear", self.quant.k)?;
+        let bytes: Vec<u8> = p.as_slice().iter().flat_map(|v| v.to_le_bytes()).collect();
+        // The GEMV reads the activations in the layer's original order: a permuted layer
+        // runs the library GEMM, whose lift gathers through the permutation, at every size.
+        Ok(Self {
+            permutation: Some(client.create_from_slice(&bytes)),
+            gemv: None,
+            ..self
+        })
+    }
 }
 
 /// Checks that `dense` (the bytes of a `[n_pad, k']` 2:4 weight) is valid 2:4 and
@@ -306,6 +331,7 @@ impl GpuLayer<DenseGemm> {
             scale,
             bias,
             gemv,
+            permutation: None,
             state: Arc::clone(&state),
         })
     }

@@ -96,12 +96,59 @@ pub(crate) fn prune_sparsegpt(
     pattern: SparsityPattern,
     calibration: &SparseGptCalibration,
 ) -> Result<Vec<f32>> {
-    let SparseGptCalibration {
-        gram,
-        damping,
-        block_size,
-    } = calibration;
-    let (damping, block_size) = (*damping, *block_size);
+    check_calibration(tensor, calibration, cols)?;
+    if rows == 0 || cols == 0 {
+        return Ok(values.to_vec());
+    }
+    let (gram, damping, block_size) = (
+        &calibration.gram,
+        calibration.damping,
+        calibration.block_size,
+    );
+    let u = inverse_hessian_factor(tensor, gram, cols, damping)?;
+    let group = pattern.block_len();
+    let block = block_size.max(1).div_ceil(group) * group;
+    let keep = pattern.nonzeros();
+
+    let mut out = values.to_vec();
+    out.par_chunks_mut(ROWS_PER_TASK * cols)
+        .for_each(|chunk| prune_rows(chunk, cols, &u, group, keep, block));
+    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
+        return Err(SlideSparseError::NonFiniteWeight {
+            tensor: format!("{tensor} (after the SparseGPT update)"),
+            row: i / cols,
+            column: i % cols,
+            value: out[i],
+        });
+    }
+    Ok(out)
+}
+
+/// `1 / [H^-1]_jj` for every input column `j` (`H` the damped Hessian): the optimal brain
+/// surgeon's cost of removing a unit weight of column `j` while every other weight of the row
+/// compensates, so that `w^2 / [H^-1]_jj` is a weight's saliency independent of the column
+/// order (the permutation search scores with it; SparseGPT's own sweep uses the saliency of
+/// the columns not yet processed, which depends on the order). `H^-1 = U^T U`, so
+/// `[H^-1]_jj` is the squared norm of column `j` of `U`.
+pub(crate) fn obs_column_factors(
+    tensor: &str,
+    calibration: &SparseGptCalibration,
+    cols: usize,
+) -> Result<Vec<f64>> {
+    check_calibration(tensor, calibration, cols)?;
+    let u = inverse_hessian_factor(tensor, &calibration.gram, cols, calibration.damping)?;
+    let mut diag = vec![0.0f64; cols];
+    for row in u.chunks(cols.max(1)) {
+        for (d, v) in diag.iter_mut().zip(row) {
+            *d += v * v;
+        }
+    }
+    Ok(diag.into_iter().map(|d| 1.0 / d).collect())
+}
+
+/// Checks the calibration's Gram matrix (size, finite entries) and damping.
+fn check_calibration(tensor: &str, calibration: &SparseGptCalibration, cols: usize) -> Result<()> {
+    let (gram, damping) = (&calibration.gram, calibration.damping);
     if Some(gram.len()) != cols.checked_mul(cols) {
         return Err(SlideSparseError::shape(
             format!("{tensor}: SparseGPT Hessian (X^T X)"),
@@ -122,26 +169,7 @@ pub(crate) fn prune_sparsegpt(
             gram[i]
         )));
     }
-    if rows == 0 || cols == 0 {
-        return Ok(values.to_vec());
-    }
-    let u = inverse_hessian_factor(tensor, gram, cols, damping)?;
-    let group = pattern.block_len();
-    let block = block_size.max(1).div_ceil(group) * group;
-    let keep = pattern.nonzeros();
-
-    let mut out = values.to_vec();
-    out.par_chunks_mut(ROWS_PER_TASK * cols)
-        .for_each(|chunk| prune_rows(chunk, cols, &u, group, keep, block));
-    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-        return Err(SlideSparseError::NonFiniteWeight {
-            tensor: format!("{tensor} (after the SparseGPT update)"),
-            row: i / cols,
-            column: i % cols,
-            value: out[i],
-        });
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// The upper Cholesky factor `U` of `(H + λ·mean(diag H)·I)^-1` (`H^-1 = U^T U`), row-major.

@@ -3,16 +3,22 @@
 //! achieved bandwidth against a device copy measured in the same process. Every variant's
 //! codes and scales are first compared byte for byte with the row-staged kernel's, so that a
 //! fast layout that writes wrong codes fails loudly instead of landing in a table.
+//!
+//! For a sparse pattern, the launcher's choice and the row-staged kernel are also timed with
+//! a random input permutation folded into the lift map (`permuted` rows, their time against
+//! the same kernel with the identity map in `vs identity`); their codes are checked against
+//! the row-staged kernel's on the input permuted beforehand.
 
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use burn_slidesparse::{
     Precision, SparsityPattern,
     cuda::{
-        launch::{QuantKernel, launch_quant_lift_with},
+        launch::{QuantKernel, launch_quant_lift_permuted},
         pipeline::m_pad,
     },
 };
 use cubecl::{Runtime, cuda::CudaRuntime, server::Handle};
+use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 
 use super::{
     Args,
@@ -86,8 +92,8 @@ pub fn quant_bench(args: &Args) {
         .iter()
         .map(|p| (p != "dense").then(|| p.parse().expect("--patterns: dense, 2:4, 6:8, ...")))
         .collect();
-    println!("| precision | pattern | K | M | kernel | ms | GB/s | % of copy |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| precision | pattern | K | M | kernel | ms | GB/s | % of copy | vs identity |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for &precision in &precisions {
         for &pattern in &patterns {
@@ -104,6 +110,27 @@ pub fn quant_bench(args: &Args) {
         let json = serde_json::json!({"copy_bandwidth_gbs": copy_bw / 1e9, "quant": rows});
         std::fs::write(path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
     }
+}
+
+/// A random order of `k` input channels (seeded: every run times the same map).
+fn random_order(k: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..k as u32).collect();
+    order.shuffle(&mut StdRng::seed_from_u64(0x5EED_0044));
+    order
+}
+
+/// `x [m, k]` with its columns in `order`: `out[:, j] = x[:, order[j]]`.
+fn permuted_columns(
+    x: &burn_cubecl::tensor::CubeTensor<CudaRuntime>,
+    order: &[u32],
+    device: &burn::tensor::Device<Gpu>,
+) -> burn_cubecl::tensor::CubeTensor<CudaRuntime> {
+    let index: Vec<i64> = order.iter().map(|&c| c as i64).collect();
+    let index = Tensor::<Gpu, 1, Int>::from_data(TensorData::new(index, [order.len()]), device);
+    Tensor::<Gpu, 2>::from_primitive(TensorPrimitive::Float(x.clone()))
+        .select(1, index)
+        .into_primitive()
+        .tensor()
 }
 
 /// Checks and times every variant at one shape; prints and returns one row per variant.
@@ -134,16 +161,25 @@ fn time_shape(
                 .tensor()
         })
         .collect();
+    let order = random_order(k);
+    let perm = client.create_from_slice(
+        &order
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
     // `rows` = (M, M_pad) of the launch: the timed calls take all rows, the check fewer.
     let run = |kernel: QuantKernel,
+               permuted: bool,
                x: &burn_cubecl::tensor::CubeTensor<CudaRuntime>,
                codes: &Handle,
                scales: &Handle,
                (rows, rows_pad): (usize, usize)| {
-        launch_quant_lift_with(
+        launch_quant_lift_permuted(
             kernel,
             client,
             &x.handle,
+            permuted.then_some(&perm),
             codes,
             scales,
             (rows, rows_pad, k, k_slide, k_out),
@@ -155,44 +191,72 @@ fn time_shape(
     // The check runs on the first rows only (at most CHECK_ROWS, a smaller grid of the same
     // kernel): downloading every variant's full output would dominate the run.
     let (mc, mcp) = (m.min(CHECK_ROWS), m_pad(m.min(CHECK_ROWS), precision));
-    let output = |kernel| {
+    let output = |kernel, permuted, x: &burn_cubecl::tensor::CubeTensor<CudaRuntime>| {
         let codes = client.empty(mcp * k_out);
         let scales = client.empty(mcp * 4);
-        run(kernel, &xs[0], &codes, &scales, (mc, mcp)).map(|_| {
+        run(kernel, permuted, x, &codes, &scales, (mc, mcp)).map(|_| {
             let c = client.read_one(codes).unwrap().to_vec();
             let s = client.read_one(scales).unwrap().to_vec();
             (c, s)
         })
     };
-    let expected = output(QuantKernel::RowStaged).expect("row-staged kernel");
+    let expected = output(QuantKernel::RowStaged, false, &xs[0]).expect("row-staged kernel");
+    // What a permuted map must give: the identity map on the input permuted beforehand.
+    let expected_permuted = pattern.map(|_| {
+        let xp = permuted_columns(&xs[0], &order, device);
+        output(QuantKernel::RowStaged, false, &xp).expect("row-staged kernel")
+    });
     let bytes = (m * k * ACT_BYTES + mp * k_out + mp * 4) as f64;
     let pattern_name = pattern.map_or("dense".into(), |p| p.to_string());
+    let mut variants: Vec<(QuantKernel, bool)> =
+        variants(args).into_iter().map(|v| (v, false)).collect();
+    if pattern.is_some() {
+        variants.extend([(QuantKernel::Auto, true), (QuantKernel::RowStaged, true)]);
+    }
+    let mut identity_ms = std::collections::HashMap::new();
     let mut rows = Vec::new();
-    for kernel in variants(args) {
-        let name = label(kernel);
-        match output(kernel) {
+    for (kernel, permuted) in variants {
+        let name = format!(
+            "{}{}",
+            label(kernel),
+            if permuted { " permuted" } else { "" }
+        );
+        let want = if permuted {
+            expected_permuted.as_ref().expect("a sparse pattern")
+        } else {
+            &expected
+        };
+        match output(kernel, permuted, &xs[0]) {
             Err(e) => {
                 eprintln!("{precision} {pattern_name} K={k} M={m} {name}: skipped ({e})");
                 continue;
             }
             Ok(got) => assert!(
-                got == expected,
+                &got == want,
                 "{precision} {pattern_name} K={k} M={m} {name}: codes differ from the row-staged kernel's"
             ),
         }
         let codes = client.empty(mp * k_out);
         let scales = client.empty(mp * 4);
         let ms = device_median_ms(client, 3, args.reps, |i| {
-            run(kernel, &xs[i % rot], &codes, &scales, (m, mp)).unwrap();
+            run(kernel, permuted, &xs[i % rot], &codes, &scales, (m, mp)).unwrap();
         });
+        let vs_identity = if permuted {
+            identity_ms.get(&label(kernel)).map(|&base: &f64| ms / base)
+        } else {
+            identity_ms.insert(label(kernel), ms);
+            None
+        };
         let gbs = bytes / (ms / 1e3) / 1e9;
         println!(
-            "| {precision} | {pattern_name} | {k} | {m} | {name} | {ms:.4} | {gbs:.0} | {:.0}% |",
-            100.0 * gbs * 1e9 / copy_bw
+            "| {precision} | {pattern_name} | {k} | {m} | {name} | {ms:.4} | {gbs:.0} | {:.0}% | {} |",
+            100.0 * gbs * 1e9 / copy_bw,
+            vs_identity.map_or(String::new(), |r| format!("{r:.3}x"))
         );
         rows.push(serde_json::json!({
             "precision": precision.to_string(), "pattern": pattern_name, "k": k, "m": m,
             "kernel": name, "ms": ms, "gbs": gbs, "copy_gbs": copy_bw / 1e9,
+            "vs_identity": vs_identity,
         }));
     }
     rows

@@ -5,8 +5,9 @@ mod demo;
 use std::{path::PathBuf, process::ExitCode};
 
 use burn_slidesparse::{
-    DEFAULT_ALIGNMENT, FORMAT_VERSION, LayerSelection, PackOptions, PackProgress, PackReport,
-    PackedFile, Precision, PruneMethod, Result, SlideSparseError, SparsityPattern,
+    ChannelPermutation, DEFAULT_ALIGNMENT, LayerSelection, PackOptions, PackProgress, PackReport,
+    PackedFile, PermutationSearch, Precision, PruneMethod, Result, SlideSparseError,
+    SparsityPattern,
     internals::{format::VERSION_KEY, write_atomically, write_random_checkpoint},
     pack_checkpoint, pack_checkpoint_with_progress, verify_checkpoint,
 };
@@ -47,6 +48,19 @@ enum Command {
         /// K' alignment (power of two; >= 32 for 8-bit, >= 16 for 16-bit precisions).
         #[arg(long, default_value_t = DEFAULT_ALIGNMENT)]
         alignment: usize,
+        /// Permute every layer's input channels before pruning, in an order searched on the
+        /// pruning score (one order per group of layers reading the same input: q/k/v and
+        /// gate/up of a block share one, so that they can be fused). Stored in the packed
+        /// file; the packed layers compute the pruned weights' function in the original
+        /// order. Layers whose checkpoint stores `P.slidesparse.input_permutation` use it.
+        #[arg(long)]
+        permute: bool,
+        /// Permutation search: at most this many rounds of block-pair channel swaps.
+        #[arg(long, default_value_t = PermutationSearch::DEFAULT_ROUNDS)]
+        permute_rounds: usize,
+        /// Permutation search: seed of the random pairing of blocks.
+        #[arg(long, default_value_t = 0)]
+        permute_seed: u64,
         /// Write a JSON report here.
         #[arg(long)]
         report: Option<PathBuf>,
@@ -108,16 +122,29 @@ fn run(cli: Cli) -> Result<()> {
             prune,
             layers,
             alignment,
+            permute,
+            permute_rounds,
+            permute_seed,
             report,
             quiet,
             input,
             output,
         } => {
+            let permutation = if permute {
+                ChannelPermutation::Search(PermutationSearch {
+                    rounds: permute_rounds,
+                    seed: permute_seed,
+                    ..Default::default()
+                })
+            } else {
+                ChannelPermutation::Identity
+            };
             let options = PackOptions {
                 pattern,
                 precision,
                 prune,
                 alignment,
+                permutation,
             };
             let selection = LayerSelection::new(layers.as_deref())?;
             let result = pack_with_bar(&input, &output, &selection, &options, !quiet)?;
@@ -199,26 +226,23 @@ fn inspect(file: &std::path::Path) -> Result<()> {
             source,
         }
     })?;
-    if header
-        .metadata()
-        .as_ref()
-        .is_some_and(|m| m.contains_key(VERSION_KEY))
-    {
+    if let Some(version) = header.metadata().as_ref().and_then(|m| m.get(VERSION_KEY)) {
         let packed = PackedFile::from_bytes(&path, &bytes)?;
-        println!("SlideSparse packed file, format version {FORMAT_VERSION}");
+        println!("SlideSparse packed file, format version {version}");
         println!(
-            "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5}",
-            "layer", "pattern", "prec", "out x K", "K'", "bias"
+            "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5} {:>7}",
+            "layer", "pattern", "prec", "out x K", "K'", "bias", "permute"
         );
         for l in &packed.layers {
             println!(
-                "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5}",
+                "{:<48} {:>6} {:>6} {:>12} {:>7} {:>5} {:>7}",
                 l.name,
                 l.pattern.to_string(),
                 l.precision().to_string(),
                 format!("{}x{}", l.out_features(), l.in_features),
                 l.k_prime(),
-                l.bias.is_some()
+                l.bias.is_some(),
+                l.input_permutation.is_some()
             );
         }
     } else {
