@@ -657,6 +657,19 @@ impl Engine {
                 },
             ))
         };
+        // One CTA per row quantizing `width` values of `x` (plain, or the SiLU-gated product).
+        let quant_launch = |function, x: u64, width: usize| {
+            let params = ActQuantParams {
+                x,
+                out: 0,
+                codes: b.codes,
+                scales: b.scales,
+                rows,
+                width: width as i32,
+                codes_stride: d.codes_stride as i32,
+            };
+            StepLaunch::new(function, (d.batch as u32, 1, 1), QUANT_THREADS, 0, params)
+        };
         let gemv_launch = |layer: &StepLinear, y: u64| -> Result<StepLaunch> {
             let prefetch = layer.gemv.weight_bytes() <= 32 << 20 && self.programmatic;
             let flags = if prefetch { FLAG_PREFETCH } else { 0 };
@@ -730,39 +743,11 @@ impl Engine {
             for l in &attention {
                 out.push(StepLaunch::new(l.function, l.grid, l.block, l.smem, params));
             }
-            out.push(StepLaunch::new(
-                step.quant_rows,
-                (d.batch as u32, 1, 1),
-                QUANT_THREADS,
-                0,
-                ActQuantParams {
-                    x: b.attention,
-                    out: 0,
-                    codes: b.codes,
-                    scales: b.scales,
-                    rows,
-                    width: (d.hq * d.d) as i32,
-                    codes_stride: d.codes_stride as i32,
-                },
-            ));
+            out.push(quant_launch(step.quant_rows, b.attention, d.hq * d.d));
             out.push(gemv_launch(&block.o, b.o)?);
             out.push(norm_launch(&block.mlp_norm, b.o, 0)?);
             out.push(gemv_launch(&block.gate_up, b.gate_up)?);
-            out.push(StepLaunch::new(
-                step.silu_mul_quant,
-                (d.batch as u32, 1, 1),
-                QUANT_THREADS,
-                0,
-                ActQuantParams {
-                    x: b.gate_up,
-                    out: 0,
-                    codes: b.codes,
-                    scales: b.scales,
-                    rows,
-                    width: d.ffn as i32,
-                    codes_stride: d.codes_stride as i32,
-                },
-            ));
+            out.push(quant_launch(step.silu_mul_quant, b.gate_up, d.ffn));
             out.push(gemv_launch(&block.down, b.mlp)?);
         }
         out.push(norm_launch(&m.final_norm, b.mlp, b.hidden)?);

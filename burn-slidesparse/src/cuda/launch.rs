@@ -204,6 +204,8 @@ fn permuted_choice(
     match (stage, kernel) {
         (Some(stage), _) => Ok(Some((layout, rows_per_cube, stage))),
         (None, QuantKernel::Auto) => Ok(None),
+        // Only the benchmarks' explicit layouts reach here.
+        #[cfg(feature = "internals")]
         (None, _) => Err(SlideSparseError::Unsupported {
             what: "the grouped quant kernel with an input permutation".into(),
             why: format!(
