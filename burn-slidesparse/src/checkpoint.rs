@@ -169,7 +169,7 @@ pub fn pack_checkpoint_with_progress(
         };
         let (packed, _, layer_stats) =
             pack_linear(name, &weight, rows, cols, bias.as_deref(), &layer_options)?;
-        let (mut meta, layer_tensors) = format::layer_tensors(&packed);
+        let (mut meta, layer_tensors) = format::layer_tensors(&packed)?;
         meta.prune = Some(options.prune.to_string());
         packed_prefixes.insert(meta.prefix.clone());
         layer_metas.push(meta);

@@ -196,6 +196,125 @@ impl<T: SlideElement> CompactCodes<T> {
         out
     }
 
+    /// Bytes of one row's ranks packed at [`rank_bits`] each ([`packed_ranks`](Self::packed_ranks)):
+    /// `ceil(blocks * bits / 8)`.
+    pub fn rank_row_bytes(pattern: SparsityPattern, k: usize) -> usize {
+        (k.div_ceil(pattern.block_len()) * rank_bits(pattern) as usize).div_ceil(8)
+    }
+
+    /// The ranks packed at [`rank_bits`] each, row by row (`[rows, rank_row_bytes]`): block
+    /// `b` of a row at bits `b * bits ..` of the row's bytes read as one little-endian number;
+    /// the bits after the last block are zero. What the packed file stores.
+    pub fn packed_ranks(&self) -> Vec<u8> {
+        let (blocks, bits) = (self.blocks(), rank_bits(self.pattern) as usize);
+        let row_bytes = Self::rank_row_bytes(self.pattern, self.k);
+        let mut out = vec![0u8; self.rows * row_bytes];
+        if row_bytes == 0 {
+            return out;
+        }
+        out.par_chunks_mut(row_bytes)
+            .zip(self.ranks.par_chunks(blocks))
+            .for_each(|(out, ranks)| {
+                for (b, &rank) in ranks.iter().enumerate() {
+                    for bit in 0..bits {
+                        let at = b * bits + bit;
+                        out[at / 8] |= (((rank as usize) >> bit & 1) as u8) << (at % 8);
+                    }
+                }
+            });
+        out
+    }
+
+    /// The layout from its stored parts: `kept` (`[rows, blocks, 2N-2]`) and ranks packed as
+    /// [`packed_ranks`](Self::packed_ranks) writes them. Checked, each failure an
+    /// [`SlideSparseError::InvalidPackedFile`] for `path` naming `tensor`, its row and block:
+    /// the sizes; every rank below `C(2N, 2)`; the bits after a row's last block zero; and, where
+    /// `k` ends inside a block, no nonzero code at a position past `k` (it would be dropped).
+    pub fn from_parts(
+        pattern: SparsityPattern,
+        rows: usize,
+        k: usize,
+        kept: Vec<T>,
+        packed_ranks: &[u8],
+        path: &str,
+        tensor: &str,
+    ) -> Result<Self> {
+        let (len, blocks) = (pattern.block_len(), k.div_ceil(pattern.block_len()));
+        let (bits, row_bytes) = (
+            rank_bits(pattern) as usize,
+            Self::rank_row_bytes(pattern, k),
+        );
+        let bad = |detail: String| SlideSparseError::packed(path, format!("{tensor}: {detail}"));
+        if kept.len() != rows * blocks * (len - 2) || packed_ranks.len() != rows * row_bytes {
+            return Err(bad(format!(
+                "{} kept codes and {} rank bytes for {rows} rows of {blocks} blocks (expected {} \
+                 and {})",
+                kept.len(),
+                packed_ranks.len(),
+                rows * blocks * (len - 2),
+                rows * row_bytes
+            )));
+        }
+        let read = |row: &[u8], b: usize| {
+            (0..bits).fold(0usize, |rank, bit| {
+                let at = b * bits + bit;
+                rank | ((row[at / 8] >> (at % 8) & 1) as usize) << bit
+            })
+        };
+        let mut ranks = vec![0u16; rows * blocks];
+        for row in 0..rows {
+            let stored = &packed_ranks[row * row_bytes..(row + 1) * row_bytes];
+            for b in 0..blocks {
+                let rank = read(stored, b);
+                if rank >= pair_count(len) {
+                    return Err(bad(format!(
+                        "row {row}, block {b}: zero-pair rank {rank} is not below C({len}, 2) = {}",
+                        pair_count(len)
+                    )));
+                }
+                ranks[row * blocks + b] = rank as u16;
+            }
+            let used = blocks * bits;
+            if (used..row_bytes * 8).any(|at| stored[at / 8] >> (at % 8) & 1 == 1) {
+                return Err(bad(format!(
+                    "row {row}: nonzero bits after the last block's rank"
+                )));
+            }
+        }
+        let layout = Self {
+            pattern,
+            rows,
+            k,
+            kept,
+            ranks,
+        };
+        if let Some((row, column)) = layout.first_code_past_k() {
+            return Err(bad(format!(
+                "row {row}: a nonzero code at column {column}, past K = {k}"
+            )));
+        }
+        Ok(layout)
+    }
+
+    /// The first `(row, column)` whose kept code sits at a column `>= k` (in the last block,
+    /// where `k` is not a multiple of `2N`) and is not zero.
+    fn first_code_past_k(&self) -> Option<(usize, usize)> {
+        let (len, blocks) = (self.pattern.block_len(), self.blocks());
+        if self.k.is_multiple_of(len) {
+            return None;
+        }
+        let b = blocks - 1;
+        (0..self.rows).find_map(|row| {
+            let (p, q) = pair_of_rank(self.ranks[row * blocks + b] as usize, len);
+            let kept = &self.kept[(row * blocks + b) * (len - 2)..][..len - 2];
+            let columns = (0..len).filter(|&i| i != p && i != q).map(|i| b * len + i);
+            columns
+                .zip(kept)
+                .find(|&(column, code)| column >= self.k && !code.is_zero())
+                .map(|(column, _)| (row, column))
+        })
+    }
+
     /// Bytes of the layout with ranks packed to [`rank_bits`] each: what a kernel reads.
     pub fn packed_bytes(&self) -> usize {
         let element = std::mem::size_of::<T>();
@@ -503,6 +622,78 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The stored parts (kept codes, packed ranks) read back to the same layout for every
+    /// pattern and for rows whose rank bits do and do not end on a byte.
+    #[test]
+    fn packed_ranks_round_trip() {
+        let mut rng = XorShift32(19);
+        for pattern in SparsityPattern::all() {
+            for &(rows, k) in &[(1, 8), (3, 70), (4, 576), (2, 1000)] {
+                let w = random_pruned(&mut rng, rows, k, pattern, true);
+                let compact = CompactCodes::from_pruned(&w, rows, k, pattern, "w").unwrap();
+                let packed = compact.packed_ranks();
+                assert_eq!(
+                    packed.len(),
+                    rows * CompactCodes::<i8>::rank_row_bytes(pattern, k)
+                );
+                let back = CompactCodes::from_parts(
+                    pattern,
+                    rows,
+                    k,
+                    compact.kept.clone(),
+                    &packed,
+                    "f",
+                    "t",
+                )
+                .unwrap();
+                assert_eq!(back, compact, "{pattern} {rows}x{k}");
+            }
+        }
+    }
+
+    /// Every way the stored parts can be wrong is an error naming the tensor, row and block.
+    #[test]
+    fn broken_parts_are_refused() {
+        let pattern = SparsityPattern::P6_8;
+        let mut rng = XorShift32(23);
+        // K = 20: three blocks, the last holding 4 real columns; 15 rank bits per row.
+        let (rows, k) = (2, 20);
+        let w = random_pruned(&mut rng, rows, k, pattern, false);
+        let compact = CompactCodes::from_pruned(&w, rows, k, pattern, "w").unwrap();
+        let packed = compact.packed_ranks();
+        let parts = |kept: Vec<i8>, packed: &[u8]| {
+            CompactCodes::from_parts(pattern, rows, k, kept, packed, "f", "t")
+                .unwrap_err()
+                .to_string()
+        };
+        let err = parts(compact.kept[1..].to_vec(), &packed);
+        assert!(err.contains("kept codes"), "{err}");
+        // Rank 31 (all five bits set) in row 1, block 2: no such pair of 8 positions.
+        let mut high = packed.clone();
+        for bit in 10..15 {
+            high[2 + bit / 8] |= 1 << (bit % 8);
+        }
+        let err = parts(compact.kept.clone(), &high);
+        assert!(
+            err.contains("row 1, block 2") && err.contains("rank 31"),
+            "{err}"
+        );
+        // The 16th bit of a row: after the last rank.
+        let mut trailing = packed.clone();
+        trailing[1] |= 0x80;
+        let err = parts(compact.kept.clone(), &trailing);
+        assert!(err.contains("row 0: nonzero bits after"), "{err}");
+        // Zero pair (0, 1) in the last block keeps columns 18.. 23: a code at column 20+.
+        let mut past = compact.clone();
+        past.ranks[2] = 0;
+        past.kept[2 * 6..3 * 6].copy_from_slice(&[1, 2, 0, 3, 0, 0]);
+        let err = parts(past.kept.clone(), &past.packed_ranks());
+        assert!(
+            err.contains("row 0: a nonzero code at column 21, past K = 20"),
+            "{err}"
+        );
     }
 
     #[test]

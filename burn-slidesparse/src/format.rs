@@ -1,17 +1,27 @@
 //! The portable packed format: a safetensors file.
 //!
 //! Per packed layer with source weight `P.weight` (prefix `P`):
-//! - `P.slidesparse.weight`: `W' [out, K']` as `I8`, `U8` (E4M3 bits), `BF16`, `F16` or `F32`;
+//! - its codes in the compact layout (version 3, [`WeightLayout::Compact`]):
+//!   `P.slidesparse.kept`, the `2N-2` kept codes of every block of `2N` (`[out, blocks *
+//!   (2N-2)]` as `I8`, `U8` (E4M3 bits), `BF16`, `F16` or `F32`), and
+//!   `P.slidesparse.zero_pairs`, each block's pair of zero positions as its rank packed to
+//!   `ceil(log2 C(2N, 2))` bits (`U8 [out, bytes per row]`); or, as versions 1 and 2 store
+//!   them ([`WeightLayout::Slid`]), `P.slidesparse.weight`, the slid `W' [out, K']`;
 //! - `P.slidesparse.weight_scale`: `F32 [out]`;
 //! - `P.bias` (optional, any float dtype): the layer's bias under its usual name;
 //! - `P.slidesparse.input_permutation` (optional, version 2): `U32 [K]` (`I32` accepted on
 //!   read), the order of the input channels the layer was pruned in.
 //!
-//! File metadata: `slidesparse.format_version` (written `2`; `1`, the same without
-//! permutations, is read too) and `slidesparse.layers`, a JSON list of [`LayerMeta`]. Every
-//! other tensor of a packed checkpoint is copied unchanged.
-//! Loading checks every field and the 2:4 validity of each `W'`, and fails with an error
-//! naming the file and tensor, never with a panic.
+//! File metadata: `slidesparse.format_version` (written `3`; `2`, slid weights, and `1`, the
+//! same without permutations, are read too) and `slidesparse.layers`, a JSON list of
+//! [`LayerMeta`]. Every other tensor of a packed checkpoint is copied unchanged.
+//! Loading checks every field, the compact layout's ranks and the 2:4 validity of each `W'`
+//! it gives, and fails with an error naming the file and tensor, never with a panic; a layer
+//! read from either layout is the same [`PackedLinear`] (its slid codes).
+
+mod layout;
+
+pub use layout::{KEPT_SUFFIX, WeightLayout, ZERO_PAIRS_SUFFIX};
 
 use std::{collections::HashMap, path::Path};
 
@@ -29,18 +39,21 @@ use crate::{
     weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
 
-/// Version written by this crate (2: optional input permutations). Readers accept it and
-/// version 1, the same format without permutations, and reject any other.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version written by this crate (3: the compact weight layout). Readers accept it, version
+/// 2 (slid weights, optional input permutations) and version 1 (the same without
+/// permutations), and reject any other.
+pub const FORMAT_VERSION: u32 = 3;
 /// Versions this crate reads.
-pub const READ_VERSIONS: [u32; 2] = [1, 2];
+pub const READ_VERSIONS: [u32; 3] = [1, 2, 3];
+/// The first version that may store a layer in the compact layout.
+pub const COMPACT_SINCE: u32 = 3;
 /// Metadata key of the format version.
 pub const VERSION_KEY: &str = "slidesparse.format_version";
 /// Metadata key of the layer list.
 pub const LAYERS_KEY: &str = "slidesparse.layers";
 /// Largest layer dimension a packed file may declare (2^31).
 pub const MAX_DIMENSION: usize = 1 << 31;
-/// Suffix of a packed weight tensor.
+/// Suffix of a packed weight tensor in the slid layout (versions 1 and 2).
 pub const WEIGHT_SUFFIX: &str = ".slidesparse.weight";
 /// Suffix of a packed layer's scales.
 pub const SCALE_SUFFIX: &str = ".slidesparse.weight_scale";
@@ -76,6 +89,9 @@ pub struct LayerMeta {
     /// Whether an input permutation tensor is stored (version 2; absent in version 1: no).
     #[serde(default)]
     pub input_permutation: bool,
+    /// How the weight codes are stored (version 3; absent in versions 1 and 2: slid).
+    #[serde(default)]
+    pub layout: WeightLayout,
 }
 
 impl LayerMeta {
@@ -93,6 +109,7 @@ impl LayerMeta {
             bias: layer.bias.is_some(),
             prune: None,
             input_permutation: layer.input_permutation.is_some(),
+            layout: WeightLayout::Compact,
         }
     }
 }
@@ -146,28 +163,42 @@ pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// The tensors and metadata entry that store one packed layer.
-pub fn layer_tensors(layer: &PackedLinear) -> (LayerMeta, Vec<(String, OwnedTensor)>) {
-    let meta = LayerMeta::of(layer);
+/// The tensors and metadata entry that store one packed layer, its weight in the compact
+/// layout (what [`save_layers`] writes).
+pub fn layer_tensors(layer: &PackedLinear) -> Result<(LayerMeta, Vec<(String, OwnedTensor)>)> {
+    layer_tensors_in(layer, WeightLayout::Compact)
+}
+
+/// [`layer_tensors`] with the weight in the given layout (`Slid`: as versions 1 and 2 store
+/// it, for files an older reader must open).
+pub fn layer_tensors_in(
+    layer: &PackedLinear,
+    layout: WeightLayout,
+) -> Result<(LayerMeta, Vec<(String, OwnedTensor)>)> {
+    let meta = LayerMeta {
+        layout,
+        ..LayerMeta::of(layer)
+    };
     let rows = layer.out_features();
-    let mut tensors = vec![
-        (
+    let mut tensors = match layout {
+        WeightLayout::Compact => layout::compact_tensors(layer, &meta.prefix)?.to_vec(),
+        WeightLayout::Slid => vec![(
             format!("{}{WEIGHT_SUFFIX}", meta.prefix),
             OwnedTensor {
                 dtype: dtype_of(layer.precision()),
                 shape: vec![rows, layer.k_prime()],
                 data: layer.weight.codes.to_le_bytes(),
             },
-        ),
-        (
-            format!("{}{SCALE_SUFFIX}", meta.prefix),
-            OwnedTensor {
-                dtype: Dtype::F32,
-                shape: vec![rows],
-                data: f32_bytes(&layer.weight.scales),
-            },
-        ),
-    ];
+        )],
+    };
+    tensors.push((
+        format!("{}{SCALE_SUFFIX}", meta.prefix),
+        OwnedTensor {
+            dtype: Dtype::F32,
+            shape: vec![rows],
+            data: f32_bytes(&layer.weight.scales),
+        },
+    ));
     if let Some(bias) = &layer.bias {
         tensors.push((
             format!("{}.bias", meta.prefix),
@@ -188,10 +219,10 @@ pub fn layer_tensors(layer: &PackedLinear) -> (LayerMeta, Vec<(String, OwnedTens
             },
         ));
     }
-    (meta, tensors)
+    Ok((meta, tensors))
 }
 
-/// The file metadata for a list of layers.
+/// The file metadata for a list of layers (the version written: [`FORMAT_VERSION`]).
 pub fn file_metadata(layers: &[LayerMeta]) -> HashMap<String, String> {
     HashMap::from([
         (VERSION_KEY.to_string(), FORMAT_VERSION.to_string()),
@@ -226,7 +257,7 @@ fn file_bytes(layers: &[PackedLinear]) -> Result<Vec<u8>> {
     let mut metas = Vec::new();
     let mut tensors = Vec::new();
     for layer in layers {
-        let (meta, t) = layer_tensors(layer);
+        let (meta, t) = layer_tensors(layer)?;
         metas.push(meta);
         tensors.extend(t);
     }
@@ -349,16 +380,17 @@ pub fn read_layer_metas(
     let version = metadata
         .get(VERSION_KEY)
         .ok_or_else(|| bad(format!("no {VERSION_KEY}: not a SlideSparse packed file")))?;
-    let readable = version
+    let Some(version) = version
         .trim()
         .parse::<u32>()
-        .is_ok_and(|v| READ_VERSIONS.contains(&v));
-    if !readable {
+        .ok()
+        .filter(|v| READ_VERSIONS.contains(v))
+    else {
         return Err(bad(format!(
             "format version {version:?} is not supported (this build reads versions \
              {READ_VERSIONS:?})"
         )));
-    }
+    };
     let layers = metadata
         .get(LAYERS_KEY)
         .ok_or_else(|| bad(format!("no {LAYERS_KEY} entry")))?;
@@ -368,6 +400,13 @@ pub fn read_layer_metas(
     for m in &metas {
         if !seen.insert(m.prefix.as_str()) {
             return Err(bad(format!("layer {:?} is listed twice", m.prefix)));
+        }
+        if m.layout == WeightLayout::Compact && version < COMPACT_SINCE {
+            return Err(bad(format!(
+                "layer {:?} is stored compact, which format version {version} does not have \
+                 (version {COMPACT_SINCE} and later)",
+                m.prefix
+            )));
         }
     }
     Ok(metas)
@@ -479,10 +518,15 @@ fn read_layer(path: &str, st: &SafeTensors<'_>, meta: &LayerMeta) -> Result<Pack
             geometry.k_prime()
         )));
     }
-    let weight_name = format!("{}{WEIGHT_SUFFIX}", meta.prefix);
-    let weight = tensor(path, st, &weight_name)?;
-    check_tensor_shape(&weight_name, &weight, &[meta.out_features, meta.k_prime])?;
-    let codes = read_codes(&weight_name, &weight, meta.precision)?;
+    let codes = match meta.layout {
+        WeightLayout::Compact => layout::read_compact(path, st, meta)?,
+        WeightLayout::Slid => {
+            let weight_name = format!("{}{WEIGHT_SUFFIX}", meta.prefix);
+            let weight = tensor(path, st, &weight_name)?;
+            check_tensor_shape(&weight_name, &weight, &[meta.out_features, meta.k_prime])?;
+            read_codes(&weight_name, &weight, meta.precision)?
+        }
+    };
 
     let scale_name = format!("{}{SCALE_SUFFIX}", meta.prefix);
     let scales_view = tensor(path, st, &scale_name)?;

@@ -79,7 +79,8 @@ pub use cube::CubePrepared;
 pub use decode_graph::{DecodeGraph, DecodeModel};
 pub use error::{Result, SlideSparseError};
 pub use format::{
-    FORMAT_VERSION, LayerMeta, PERMUTATION_SUFFIX, PackedFile, read_f32, save_layers,
+    FORMAT_VERSION, KEPT_SUFFIX, LayerMeta, PERMUTATION_SUFFIX, PackedFile, WeightLayout,
+    ZERO_PAIRS_SUFFIX, read_f32, save_layers,
 };
 #[cfg(feature = "fusion")]
 pub use fusion::FusionPrepared;

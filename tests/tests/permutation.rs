@@ -296,7 +296,7 @@ fn packed_files_round_trip_permutations_and_read_version_1() {
     assert_eq!(PackedFile::load(&path).unwrap().layers, layers);
 
     // Version 1: the layer without a permutation, written with the old version number.
-    let (meta, tensors) = format::layer_tensors(&layers[0]);
+    let (meta, tensors) = format::layer_tensors_in(&layers[0], format::WeightLayout::Slid).unwrap();
     let mut metadata = format::file_metadata(&[meta]);
     metadata.insert(format::VERSION_KEY.into(), "1".into());
     let bytes = format::serialize(&tensors, metadata).unwrap();
@@ -304,7 +304,7 @@ fn packed_files_round_trip_permutations_and_read_version_1() {
     assert_eq!(v1.layers, vec![layers[0].clone()]);
 
     let with_order = |dtype, values: Vec<u8>, shape: Vec<usize>| {
-        let (meta, mut tensors) = format::layer_tensors(&layers[1]);
+        let (meta, mut tensors) = format::layer_tensors(&layers[1]).unwrap();
         let entry = tensors
             .iter_mut()
             .find(|(n, _)| n.ends_with(format::PERMUTATION_SUFFIX))

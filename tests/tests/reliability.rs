@@ -12,7 +12,7 @@ use burn_slidesparse::{
 use proptest::prelude::*;
 use slidesparse_tests::{random_f32, rng};
 
-/// A valid packed file with an INT8 (bias), an FP8 and a BF16 layer.
+/// A valid packed file with an INT8 (bias, slid layout), an FP8 and a BF16 layer (compact).
 fn valid_packed_file() -> Vec<u8> {
     let mut rng = rng(300);
     let layers: Vec<_> = [
@@ -42,8 +42,15 @@ fn valid_packed_file() -> Vec<u8> {
     .collect();
     let mut metas = Vec::new();
     let mut tensors = Vec::new();
-    for l in &layers {
-        let (m, t) = format::layer_tensors(l);
+    // The first layer in the slid layout (versions 1 and 2 store it so; the header tests
+    // corrupt its `W'`), the others compact: the fuzzing reaches both readers.
+    for (i, l) in layers.iter().enumerate() {
+        let layout = if i == 0 {
+            format::WeightLayout::Slid
+        } else {
+            format::WeightLayout::Compact
+        };
+        let (m, t) = format::layer_tensors_in(l, layout).unwrap();
         metas.push(m);
         tensors.extend(t);
     }

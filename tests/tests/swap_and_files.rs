@@ -105,10 +105,14 @@ fn broken_packed_files_are_clear_errors() {
     )
     .unwrap();
     layer.name = "a.weight".into();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("a.safetensors");
-    format::save_layers(&path, &[layer.clone()]).unwrap();
-    let good = std::fs::read(&path).unwrap();
+    // The slid layout of versions 1 and 2 (this test corrupts its `W'`); the compact one's
+    // checks are in `compact_format.rs`.
+    let (meta, tensors) = format::layer_tensors_in(&layer, format::WeightLayout::Slid).unwrap();
+    let good = format::serialize(&tensors, format::file_metadata(&[meta])).unwrap();
+    assert_eq!(
+        PackedFile::from_bytes("good", &good).unwrap().layers,
+        [layer.clone()]
+    );
     let load = |bytes: &[u8]| {
         PackedFile::from_bytes("test", bytes)
             .map(|_| ())
