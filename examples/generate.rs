@@ -93,6 +93,12 @@ struct Args {
     /// layers on the library's INT8 kernels; warm-up first, then the timed run).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The SlideSparse model's LM head: `dense` (the model's float head; SmolLM2's is tied to
+    /// the embedding matrix, which the model keeps a transposed copy of) or `int8` (that head
+    /// as a dense INT8 layer, W8A8 like the block linears, its memory reported; on the GPU the
+    /// decode graph then runs the head and the greedy argmax inside the step).
+    #[arg(long, default_value = "dense")]
+    head: String,
 }
 
 type Error = Box<dyn std::error::Error>;
@@ -342,6 +348,31 @@ fn prune_and_pack<B: SlideSparseBackend>(
     ))
 }
 
+/// `--head int8`: the LM head becomes a dense INT8 layer (this example's tied head is
+/// already a copy of the embedding matrix, transposed: the INT8 layer replaces that copy);
+/// returns its memory against the dense head's, or `None` with `--head dense`.
+fn int8_head<B: SlideSparseBackend>(
+    args: &Args,
+    model: &mut Llama<B>,
+    float_bytes: usize,
+) -> Result<Option<String>, Error> {
+    match args.head.as_str() {
+        "dense" => Ok(None),
+        "int8" => {
+            let (hidden, vocab) = model.lm_head.features();
+            model.lm_head.quantize(Precision::Int8)?;
+            let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+            // Codes and one f32 scale per row.
+            Ok(Some(format!(
+                "{:.1} MiB, the dense head {:.1} MiB",
+                mib(vocab * hidden + 4 * vocab),
+                mib(vocab * hidden * float_bytes)
+            )))
+        }
+        other => Err(format!("--head {other}: expected dense or int8").into()),
+    }
+}
+
 /// Packs `model` (the CPU reference in every run) as the arguments ask: pruned here, or the
 /// `--packed` file's layers; then fuses its projections. Returns the label of the result.
 fn pack_on_the_cpu<B: SlideSparseBackend>(
@@ -416,6 +447,10 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
         label
     } else {
         pack_on_the_cpu(args, &mut model, &tok)?
+    };
+    let label = match int8_head(args, &mut model, if gpu { 2 } else { 4 })? {
+        Some(memory) => format!("{label}, INT8 LM head ({memory})"),
+        None => label,
     };
     // Compress and upload every layer now, not inside the first token's timing.
     let start = Instant::now();

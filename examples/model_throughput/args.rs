@@ -59,9 +59,11 @@ pub(crate) struct Args {
     /// variant and one decode batch, so that the profile holds one step.
     #[arg(long)]
     pub(crate) profile_decode: bool,
-    /// The LM head of the quantized variants: `bf16` (as the embeddings) or `int8` (a dense
-    /// INT8 layer, as the block linears of the dense INT8 baseline). Untied heads only.
-    #[arg(long, default_value = "bf16")]
+    /// The LM head of the quantized variants: `int8` (a dense INT8 layer, as the block linears
+    /// of the dense INT8 baseline; untied heads only), `bf16` (as the embeddings), or `auto`:
+    /// `int8` where the head is untied, `bf16` where it is the embedding matrix (an INT8 head
+    /// would be a second copy of it). The bf16 variant keeps its bf16 head.
+    #[arg(long, default_value = "auto")]
     pub(crate) head: String,
     /// Split every variant over this many GPUs (devices 0..R; random weights): the split
     /// model and the one-GPU model are timed alternately in this process, on `--backend`,

@@ -20,7 +20,9 @@ pub(crate) fn print_memory(args: &Args, memory: &[(String, MemoryReport)]) {
     };
     println!(
         "\n{} with {} blocks, LM head {}, GPU memory after preparation (allocator: live cubecl allocations; driver: the process's device memory in use)",
-        args.model, args.layers, args.head
+        args.model,
+        args.layers,
+        crate::variants::head_kind(args).unwrap_or("?")
     );
     println!(
         "| variant | allocator in use (MiB) | x dense-int8 | x bf16 | allocator reserved (MiB) | driver used (MiB) |"

@@ -35,30 +35,37 @@ pub(crate) fn convert<B: SlideSparseBackend>(
     Ok(())
 }
 
-/// `--head int8`: the LM head of a quantized variant (and of the zero-block model that the
-/// per-block figures subtract) becomes a dense INT8 layer; `bf16` keeps burn's bf16 head.
-pub(crate) fn convert_head<B: SlideSparseBackend>(
-    model: &mut Llama<B>,
-    args: &Args,
-    variant: &str,
-) -> Result<(), Box<dyn std::error::Error>> {
-    match args.head.as_str() {
-        "bf16" => Ok(()),
-        "int8" if variant == "bf16" => Ok(()),
-        "int8" if config(&args.model, 0)?.tie_embeddings => Err(format!(
+/// The head `--head` gives `args.model`: `auto` is `int8` for an untied head, `bf16` for one
+/// tied to the embedding matrix; `int8` on a tied head is an error.
+pub(crate) fn head_kind(args: &Args) -> Result<&'static str, Box<dyn std::error::Error>> {
+    let tied = config(&args.model, 0)?.tie_embeddings;
+    match (args.head.as_str(), tied) {
+        ("auto", false) | ("int8", false) => Ok("int8"),
+        ("auto", true) | ("bf16", _) => Ok("bf16"),
+        ("int8", true) => Err(format!(
             "--head int8: {} ties its LM head to the embedding matrix; an INT8 head would be \
              a second copy of it (more memory, not less)",
             args.model
         )
         .into()),
-        "int8" => {
-            drop(quantize_dense(model, Precision::Int8, |name| {
-                name == "lm_head"
-            })?);
-            Ok(())
-        }
-        other => Err(format!("--head {other}: expected bf16 or int8").into()),
+        (other, _) => Err(format!("--head {other}: expected auto, int8 or bf16").into()),
     }
+}
+
+/// The LM head of a quantized variant (and of the zero-block model that the per-block
+/// figures subtract) as [`head_kind`] says: a dense INT8 layer, or burn's bf16 head kept.
+pub(crate) fn convert_head<B: SlideSparseBackend>(
+    model: &mut Llama<B>,
+    args: &Args,
+    variant: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    if head_kind(args)? == "bf16" || variant == "bf16" {
+        return Ok(());
+    }
+    drop(quantize_dense(model, Precision::Int8, |name| {
+        name == "lm_head"
+    })?);
+    Ok(())
 }
 
 /// A cheap deterministic generator (xorshift64*) for random codes.
