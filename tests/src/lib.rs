@@ -1,6 +1,10 @@
 //! Helpers shared by the cross-crate integration tests in `tests/tests/`.
 
-use burn::{module::Module, nn::LinearConfig, tensor::backend::Backend};
+use burn::{
+    module::Module,
+    nn::LinearConfig,
+    tensor::{DType, Tensor, TensorData, backend::Backend},
+};
 use burn_slidesparse::{MaybeSparseLinear, Precision, VisitLinears};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -112,4 +116,104 @@ pub fn host_w8a8(
         }
     }
     expected
+}
+
+/// The quant+lift kernel's codes (`[m_pad, k_out]` bytes) and scales (`[m_pad]`) against the
+/// spec computed on the host from `x` (`[m, k]`), bit for bit: `source(o)` is the input column
+/// lifted to output column `o` (`None`: a padding column), rows `m..m_pad` are padding (scale
+/// 1, zero codes); FP8's +0 and -0 are the same code value.
+pub fn check_quant_codes(
+    x: &[f32],
+    got: &[u8],
+    got_scales: &[f32],
+    (m, m_pad, k, k_out): (usize, usize, usize, usize),
+    source: &dyn Fn(usize) -> Option<usize>,
+    precision: Precision,
+    label: &str,
+) {
+    use burn_slidesparse::internals::{fp8, reference::ACTIVATION_EPS};
+    let qmax = precision.qmax().unwrap();
+    for row in 0..m_pad {
+        let xr = if row < m {
+            &x[row * k..(row + 1) * k]
+        } else {
+            &[][..]
+        };
+        let absmax = xr.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let s = if row < m {
+            absmax.max(ACTIVATION_EPS) / qmax
+        } else {
+            1.0
+        };
+        assert_eq!(got_scales[row].to_bits(), s.to_bits(), "{label} row {row}");
+        for o in 0..k_out {
+            let v = source(o).filter(|_| row < m).map_or(0.0, |src| xr[src]);
+            let expected = match precision {
+                Precision::Int8 => (v / s).round_ties_even().clamp(-127.0, 127.0) as i8 as u8,
+                _ => fp8::f32_to_e4m3((v / s).clamp(-448.0, 448.0)),
+            };
+            let got = got[row * k_out + o];
+            let same =
+                got == expected || (precision == Precision::Fp8 && (got | expected) & 0x7F == 0);
+            assert!(
+                same,
+                "{label} row {row} col {o}: got {got:#x}, expected {expected:#x}"
+            );
+        }
+    }
+}
+
+/// `n` values uniform in [-2, 2) from `seed`: the GPU tests' activations and weights.
+pub fn uniform_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut r = rng(seed);
+    (0..n).map(|_| r.random_range(-2.0f32..2.0)).collect()
+}
+
+/// A tensor of `data` in `dtype` on `B`'s default device.
+pub fn tensor_of<B: Backend, const N: usize>(
+    data: &[f32],
+    shape: [usize; N],
+    dtype: DType,
+) -> Tensor<B, N> {
+    Tensor::from_data(
+        TensorData::new(data.to_vec(), shape),
+        (&Default::default(), dtype),
+    )
+}
+
+/// A tensor's values read back to the host as f32.
+pub fn to_host<B: Backend, const N: usize>(t: Tensor<B, N>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+/// `||got - want|| / ||want||`.
+pub fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut err, mut norm) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        err += (*g as f64 - *w as f64).powi(2);
+        norm += (*w as f64).powi(2);
+    }
+    (err / norm.max(1e-30)).sqrt()
+}
+
+/// Asserts that two tensors have the same shape and the same bits in every element.
+pub fn assert_same_bits<B: Backend, const N: usize>(
+    what: &str,
+    got: Tensor<B, N>,
+    want: Tensor<B, N>,
+) {
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let (got, want) = (to_host(got), to_host(want));
+    let differ = got
+        .iter()
+        .zip(&want)
+        .filter(|(g, w)| g.to_bits() != w.to_bits())
+        .count();
+    assert_eq!(
+        differ,
+        0,
+        "{what}: {differ} of {} elements differ",
+        got.len()
+    );
 }

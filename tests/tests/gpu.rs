@@ -14,7 +14,7 @@ use burn_slidesparse::{
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 use rand::Rng;
-use slidesparse_tests::{host_w8a8, random_f32, rng};
+use slidesparse_tests::{check_quant_codes, host_w8a8, random_f32, rng};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
@@ -235,7 +235,7 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect();
         let label = format!("{label} {kernel:?}");
-        check_codes(
+        check_quant_codes(
             &x,
             &got,
             &got_scales,
@@ -244,49 +244,6 @@ fn check_quant_lift<F: burn_cubecl::FloatElement>(
             precision,
             &label,
         );
-    }
-}
-
-/// Codes and scales of the quant+lift kernel against the spec computed on the host.
-fn check_codes(
-    x: &[f32],
-    got: &[u8],
-    got_scales: &[f32],
-    (m, m_pad, k, k_out): (usize, usize, usize, usize),
-    source: &LiftSource,
-    precision: Precision,
-    label: &str,
-) {
-    use burn_slidesparse::internals::{fp8, reference::ACTIVATION_EPS};
-    let qmax = precision.qmax().unwrap();
-    for row in 0..m_pad {
-        let xr = if row < m {
-            &x[row * k..(row + 1) * k]
-        } else {
-            &[][..]
-        };
-        let absmax = xr.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        let s = if row < m {
-            absmax.max(ACTIVATION_EPS) / qmax
-        } else {
-            1.0
-        };
-        assert_eq!(got_scales[row].to_bits(), s.to_bits(), "{label} row {row}");
-        for o in 0..k_out {
-            let v = source(o).filter(|_| row < m).map_or(0.0, |src| xr[src]);
-            let expected = match precision {
-                Precision::Int8 => (v / s).round_ties_even().clamp(-127.0, 127.0) as i8 as u8,
-                _ => fp8::f32_to_e4m3((v / s).clamp(-448.0, 448.0)),
-            };
-            let got = got[row * k_out + o];
-            // +0 and -0 are the same code value.
-            let same =
-                got == expected || (precision == Precision::Fp8 && (got | expected) & 0x7F == 0);
-            assert!(
-                same,
-                "{label} row {row} col {o}: got {got:#x}, expected {expected:#x}"
-            );
-        }
     }
 }
 

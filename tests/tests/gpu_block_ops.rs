@@ -17,7 +17,7 @@ use burn::{
     backend::NdArray,
     module::Param,
     nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig},
-    tensor::{DType, Tensor, TensorData, backend::Backend},
+    tensor::{DType, Tensor, backend::Backend},
 };
 use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
@@ -27,8 +27,7 @@ use burn_slidesparse::{
     silu_mul_linear,
 };
 use cubecl::cuda::CudaRuntime;
-use rand::Rng;
-use slidesparse_tests::rng;
+use slidesparse_tests::{assert_same_bits, tensor_of, to_host, uniform_values};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type Fused = burn_fusion::Fusion<Gpu>;
@@ -37,29 +36,9 @@ type Gpu16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
 type Fused16 = burn_fusion::Fusion<Gpu16>;
 type Cpu = NdArray;
 
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut r = rng(seed);
-    (0..n).map(|_| r.random_range(-2.0f32..2.0)).collect()
-}
-
-fn tensor<B: Backend, const N: usize>(
-    data: &[f32],
-    shape: [usize; N],
-    dtype: DType,
-) -> Tensor<B, N> {
-    Tensor::from_data(
-        TensorData::new(data.to_vec(), shape),
-        (&Default::default(), dtype),
-    )
-}
-
-fn host<B: Backend, const N: usize>(t: Tensor<B, N>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
-}
-
 /// The same values on the CPU in f32 (the GPU tensor's 16-bit rounding included).
 fn on_cpu<B: Backend, const N: usize>(t: &Tensor<B, N>) -> Tensor<Cpu, N> {
-    tensor::<Cpu, N>(&host(t.clone()), t.dims(), DType::F32)
+    tensor_of::<Cpu, N>(&to_host(t.clone()), t.dims(), DType::F32)
 }
 
 fn check(what: &str, dtype: DType, got: Vec<f32>, want: Vec<f32>) {
@@ -76,7 +55,7 @@ fn check(what: &str, dtype: DType, got: Vec<f32>, want: Vec<f32>) {
 
 fn norm<B: Backend>(gamma: &[f32], dtype: DType) -> RmsNorm<B> {
     let mut n = RmsNormConfig::new(gamma.len()).init::<B>(&Default::default());
-    n.gamma = Param::from_tensor(tensor(gamma, [gamma.len()], dtype));
+    n.gamma = Param::from_tensor(tensor_of(gamma, [gamma.len()], dtype));
     n
 }
 
@@ -96,47 +75,56 @@ fn norms_and_gate<B: Backend>(dtype: DType, seed: u64) {
     for (rows, width, offset) in cases {
         let shape = [1, rows, width];
         let n = rows * width;
-        let x = tensor::<B, 1>(&values(seed, offset + n), [offset + n], dtype)
+        let x = tensor_of::<B, 1>(&uniform_values(seed, offset + n), [offset + n], dtype)
             .narrow(0, offset, n)
             .reshape(shape);
-        let delta = tensor::<B, 3>(&values(seed + 1, n), shape, dtype);
-        let gpu_norm = norm::<B>(&values(seed + 2, width), dtype);
-        let cpu_norm = norm::<Cpu>(&host(gpu_norm.gamma.val()), DType::F32);
+        let delta = tensor_of::<B, 3>(&uniform_values(seed + 1, n), shape, dtype);
+        let gpu_norm = norm::<B>(&uniform_values(seed + 2, width), dtype);
+        let cpu_norm = norm::<Cpu>(&to_host(gpu_norm.gamma.val()), DType::F32);
         let what = format!("rms_norm {rows}x{width} offset {offset}");
         let got = rms_norm(x.clone(), &gpu_norm).unwrap();
         assert_eq!(got.dtype(), dtype);
-        check(&what, dtype, host(got), host(cpu_norm.forward(on_cpu(&x))));
+        check(
+            &what,
+            dtype,
+            to_host(got),
+            to_host(cpu_norm.forward(on_cpu(&x))),
+        );
         let want_sum = on_cpu(&x) + on_cpu(&delta);
         // Moved, not cloned: on fusion the operation then holds the inputs' last handles.
         let (sum, normed) = add_rms_norm(x, delta, &gpu_norm).unwrap();
         check(
             &format!("add_{what} (sum)"),
             dtype,
-            host(sum.clone()),
-            host(want_sum),
+            to_host(sum.clone()),
+            to_host(want_sum),
         );
         // The norm reads the 16-bit sum, as the model's residual stream holds it.
         check(
             &format!("add_{what}"),
             dtype,
-            host(normed),
-            host(cpu_norm.forward(on_cpu(&sum))),
+            to_host(normed),
+            to_host(cpu_norm.forward(on_cpu(&sum))),
         );
-        let gate_up = tensor::<B, 3>(&values(seed + 3, 2 * n), [1, rows, 2 * width], dtype);
+        let gate_up = tensor_of::<B, 3>(
+            &uniform_values(seed + 3, 2 * n),
+            [1, rows, 2 * width],
+            dtype,
+        );
         let want = silu_mul(on_cpu(&gate_up)).unwrap();
         let got = silu_mul(gate_up).unwrap();
         check(
             &format!("silu_mul {rows}x{width}"),
             dtype,
-            host(got),
-            host(want),
+            to_host(got),
+            to_host(want),
         );
     }
 }
 
 fn rope<B: Backend>(table: &[f32], max_len: usize, d: usize, dtype: DType) -> RotaryEncoding<B> {
     let mut r = RotaryEncodingConfig::new(max_len, d).init::<B>(&Default::default());
-    r.freq_complex = tensor(table, [max_len, d, 2], dtype);
+    r.freq_complex = tensor_of(table, [max_len, d, 2], dtype);
     r
 }
 
@@ -157,7 +145,7 @@ fn strided_rope<B: Backend>(
         }
     }
     let mut r = RotaryEncodingConfig::new(max_len, d).init::<B>(&Default::default());
-    r.freq_complex = tensor::<B, 3>(&stored, [max_len, 2, d], dtype).swap_dims(1, 2);
+    r.freq_complex = tensor_of::<B, 3>(&stored, [max_len, 2, d], dtype).swap_dims(1, 2);
     r
 }
 
@@ -171,28 +159,33 @@ fn rope_attention_steps<B: Backend>(
 ) {
     let (batch, prompt, cap, max_len) = (2, 70, 96, 128);
     let cpu_rope = RotaryEncodingConfig::new(max_len, d).init::<Cpu>(&Default::default());
-    let table = host(cpu_rope.freq_complex.clone());
+    let table = to_host(cpu_rope.freq_complex.clone());
     let gpu_rope = if strided {
         strided_rope::<B>(&table, max_len, d, dtype)
     } else {
         rope::<B>(&table, max_len, d, dtype)
     };
-    let cpu_rope = rope::<Cpu>(&host(gpu_rope.freq_complex.clone()), max_len, d, DType::F32);
+    let cpu_rope = rope::<Cpu>(
+        &to_host(gpu_rope.freq_complex.clone()),
+        max_len,
+        d,
+        DType::F32,
+    );
     let zeros = vec![0.0; batch * cap * hkv * d];
     let cache_shape = [batch, cap, hkv, d];
     let (mut gk, mut gv) = (
-        tensor::<B, 4>(&zeros, cache_shape, dtype),
-        tensor::<B, 4>(&zeros, cache_shape, dtype),
+        tensor_of::<B, 4>(&zeros, cache_shape, dtype),
+        tensor_of::<B, 4>(&zeros, cache_shape, dtype),
     );
     let (mut ck, mut cv) = (
-        tensor::<Cpu, 4>(&zeros, cache_shape, DType::F32),
-        tensor::<Cpu, 4>(&zeros, cache_shape, DType::F32),
+        tensor_of::<Cpu, 4>(&zeros, cache_shape, DType::F32),
+        tensor_of::<Cpu, 4>(&zeros, cache_shape, DType::F32),
     );
     let width = (hq + 2 * hkv) * d;
     let mut start = 0;
     for (i, t) in [prompt, 1, 1, 3, 1].into_iter().enumerate() {
-        let qkv = tensor::<B, 3>(
-            &values(seed + i as u64, batch * t * width),
+        let qkv = tensor_of::<B, 3>(
+            &uniform_values(seed + i as u64, batch * t * width),
             [batch, t, width],
             dtype,
         );
@@ -212,19 +205,19 @@ fn rope_attention_steps<B: Backend>(
         let want = rope_attention(on_cpu(&qkv), &mut ck, &mut cv, cpu_step).unwrap();
         let got = rope_attention(qkv, &mut gk, &mut gv, gpu_step).unwrap();
         let what = format!("rope_attention {hq}/{hkv}x{d} start {start} t {t} strided {strided}");
-        check(&what, dtype, host(got), host(want));
+        check(&what, dtype, to_host(got), to_host(want));
         start += t;
         check(
             &format!("{what} keys"),
             dtype,
-            host(gk.clone()),
-            host(ck.clone()),
+            to_host(gk.clone()),
+            to_host(ck.clone()),
         );
         check(
             &format!("{what} values"),
             dtype,
-            host(gv.clone()),
-            host(cv.clone()),
+            to_host(gv.clone()),
+            to_host(cv.clone()),
         );
     }
 }
@@ -254,13 +247,13 @@ fn rope_cache_write_and_attention_match_the_reference() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (compute capability 8.0+)"]
 fn f32_tensors_take_the_reference_path() {
-    let x = tensor::<Fused, 3>(&values(7, 2 * 64), [1, 2, 64], DType::F32);
-    let n = norm::<Fused>(&values(8, 64), DType::F32);
+    let x = tensor_of::<Fused, 3>(&uniform_values(7, 2 * 64), [1, 2, 64], DType::F32);
+    let n = norm::<Fused>(&uniform_values(8, 64), DType::F32);
     check(
         "rms_norm f32",
         DType::F16,
-        host(rms_norm(x.clone(), &n).unwrap()),
-        host(n.forward(x)),
+        to_host(rms_norm(x.clone(), &n).unwrap()),
+        to_host(n.forward(x)),
     );
 }
 
@@ -272,8 +265,12 @@ fn linears<B: SlideSparseBackend>(
     seed: u64,
 ) -> Vec<(&'static str, MaybeSparseLinear<B>)> {
     let mut linear: Linear<B> = LinearConfig::new(k, n).init(&Default::default());
-    linear.weight = Param::from_tensor(tensor(&values(seed, n * k), [k, n], dtype));
-    linear.bias = Some(Param::from_tensor(tensor(&values(seed + 1, n), [n], dtype)));
+    linear.weight = Param::from_tensor(tensor_of(&uniform_values(seed, n * k), [k, n], dtype));
+    linear.bias = Some(Param::from_tensor(tensor_of(
+        &uniform_values(seed + 1, n),
+        [n],
+        dtype,
+    )));
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
     vec![
         (
@@ -291,22 +288,6 @@ fn linears<B: SlideSparseBackend>(
     ]
 }
 
-fn same_bits<B: Backend, const N: usize>(what: &str, got: Tensor<B, N>, want: Tensor<B, N>) {
-    assert_eq!(got.dims(), want.dims(), "{what}");
-    let (got, want) = (host(got), host(want));
-    let differ = got
-        .iter()
-        .zip(&want)
-        .filter(|(g, w)| g.to_bits() != w.to_bits())
-        .count();
-    assert_eq!(
-        differ,
-        0,
-        "{what}: {differ} of {} elements differ",
-        got.len()
-    );
-}
-
 /// Each composed step against the step then the linear, for a SlideSparse and a quantized
 /// linear, at decode and prefill row counts.
 fn composed_norms_and_gate<B: SlideSparseBackend>(dtype: DType, seed: u64) {
@@ -315,27 +296,27 @@ fn composed_norms_and_gate<B: SlideSparseBackend>(dtype: DType, seed: u64) {
         for rows in [1, 5, 64] {
             let what = format!("{kind}, {rows} rows");
             let shape = [1, rows, width];
-            let x = tensor::<B, 3>(&values(seed + 2, rows * width), shape, dtype);
-            let delta = tensor::<B, 3>(&values(seed + 3, rows * width), shape, dtype);
-            let n = norm::<B>(&values(seed + 4, width), dtype);
+            let x = tensor_of::<B, 3>(&uniform_values(seed + 2, rows * width), shape, dtype);
+            let delta = tensor_of::<B, 3>(&uniform_values(seed + 3, rows * width), shape, dtype);
+            let n = norm::<B>(&uniform_values(seed + 4, width), dtype);
             let want = linear.forward(rms_norm(x.clone(), &n).unwrap());
             let got = rms_norm_linear(x.clone(), &n, &linear).unwrap();
-            same_bits(&format!("rms_norm_linear {what}"), got, want);
+            assert_same_bits(&format!("rms_norm_linear {what}"), got, want);
 
             let (want_sum, normed) = add_rms_norm(x.clone(), delta.clone(), &n).unwrap();
             let want = linear.forward(normed);
             let (sum, got) = add_rms_norm_linear(x, delta, &n, &linear).unwrap();
-            same_bits(&format!("add_rms_norm_linear {what} (sum)"), sum, want_sum);
-            same_bits(&format!("add_rms_norm_linear {what}"), got, want);
+            assert_same_bits(&format!("add_rms_norm_linear {what} (sum)"), sum, want_sum);
+            assert_same_bits(&format!("add_rms_norm_linear {what}"), got, want);
 
-            let gate_up = tensor::<B, 3>(
-                &values(seed + 5, 2 * rows * width),
+            let gate_up = tensor_of::<B, 3>(
+                &uniform_values(seed + 5, 2 * rows * width),
                 [1, rows, 2 * width],
                 dtype,
             );
             let want = linear.forward(silu_mul(gate_up.clone()).unwrap());
             let got = silu_mul_linear(gate_up, &linear).unwrap();
-            same_bits(&format!("silu_mul_linear {what}"), got, want);
+            assert_same_bits(&format!("silu_mul_linear {what}"), got, want);
         }
     }
 }
@@ -346,16 +327,16 @@ fn composed_rope_attention<B: SlideSparseBackend>(dtype: DType, seed: u64) {
     let (hq, hkv, d) = (8, 2, 64);
     let (batch, cap, max_len) = (2, 48, 64);
     let table = RotaryEncodingConfig::new(max_len, d).init::<Cpu>(&Default::default());
-    let r = rope::<B>(&host(table.freq_complex), max_len, d, dtype);
+    let r = rope::<B>(&to_host(table.freq_complex), max_len, d, dtype);
     let width = (hq + 2 * hkv) * d;
     for (kind, linear) in linears::<B>((hq * d, 256), dtype, seed) {
         let zeros = vec![0.0; batch * cap * hkv * d];
-        let cache = || tensor::<B, 4>(&zeros, [batch, cap, hkv, d], dtype);
+        let cache = || tensor_of::<B, 4>(&zeros, [batch, cap, hkv, d], dtype);
         let (mut k1, mut v1, mut k2, mut v2) = (cache(), cache(), cache(), cache());
         let mut start = 0;
         for (i, t) in [30, 1, 1, 3].into_iter().enumerate() {
-            let qkv = tensor::<B, 3>(
-                &values(seed + 10 + i as u64, batch * t * width),
+            let qkv = tensor_of::<B, 3>(
+                &uniform_values(seed + 10 + i as u64, batch * t * width),
                 [batch, t, width],
                 dtype,
             );
@@ -369,9 +350,9 @@ fn composed_rope_attention<B: SlideSparseBackend>(dtype: DType, seed: u64) {
                 linear.forward(rope_attention(qkv.clone(), &mut k1, &mut v1, step()).unwrap());
             let got = rope_attention_linear(qkv, &mut k2, &mut v2, step(), &linear).unwrap();
             let what = format!("rope_attention_linear {kind}, start {start}, t {t}");
-            same_bits(&what, got, want);
-            same_bits(&format!("{what} keys"), k2.clone(), k1.clone());
-            same_bits(&format!("{what} values"), v2.clone(), v1.clone());
+            assert_same_bits(&what, got, want);
+            assert_same_bits(&format!("{what} keys"), k2.clone(), k1.clone());
+            assert_same_bits(&format!("{what} values"), v2.clone(), v1.clone());
             start += t;
         }
     }
@@ -393,7 +374,7 @@ fn decoder_block_steps<B: SlideSparseBackend>(dtype: DType, seed: u64) {
     let (hq, hkv, d, hidden, f) = (8, 2, 64, 512, 256);
     let (batch, cap, max_len) = (2, 48, 64);
     let table = RotaryEncodingConfig::new(max_len, d).init::<Cpu>(&Default::default());
-    let r = rope::<B>(&host(table.freq_complex), max_len, d, dtype);
+    let r = rope::<B>(&to_host(table.freq_complex), max_len, d, dtype);
     let qkv_layers = linears::<B>((hidden, (hq + 2 * hkv) * d), dtype, seed);
     let o_layers = linears::<B>((hq * d, hidden), dtype, seed + 1);
     let gate_up_layers = linears::<B>((hidden, 2 * f), dtype, seed + 2);
@@ -404,8 +385,8 @@ fn decoder_block_steps<B: SlideSparseBackend>(dtype: DType, seed: u64) {
         .zip(&gate_up_layers)
         .zip(&down_layers);
     for ((((kind, qkv), (_, o)), (_, gate_up)), (_, down)) in layers {
-        let attn_norm = norm::<B>(&values(seed + 4, hidden), dtype);
-        let mlp_norm = norm::<B>(&values(seed + 5, hidden), dtype);
+        let attn_norm = norm::<B>(&uniform_values(seed + 4, hidden), dtype);
+        let mlp_norm = norm::<B>(&uniform_values(seed + 5, hidden), dtype);
         let block = DecoderBlock {
             attn_norm: &attn_norm,
             qkv,
@@ -415,15 +396,19 @@ fn decoder_block_steps<B: SlideSparseBackend>(dtype: DType, seed: u64) {
             down,
         };
         let zeros = vec![0.0; batch * cap * hkv * d];
-        let cache = || tensor::<B, 4>(&zeros, [batch, cap, hkv, d], dtype);
+        let cache = || tensor_of::<B, 4>(&zeros, [batch, cap, hkv, d], dtype);
         let (mut k1, mut v1, mut k2, mut v2) = (cache(), cache(), cache(), cache());
         let mut start = 0;
         for (i, t) in [30, 1, 1, 3].into_iter().enumerate() {
             let seed = seed + 10 + 2 * i as u64;
-            let x = tensor::<B, 3>(&values(seed, batch * t * hidden), [batch, t, hidden], dtype);
+            let x = tensor_of::<B, 3>(
+                &uniform_values(seed, batch * t * hidden),
+                [batch, t, hidden],
+                dtype,
+            );
             let delta = (i > 0).then(|| {
-                tensor::<B, 3>(
-                    &values(seed + 1, batch * t * hidden),
+                tensor_of::<B, 3>(
+                    &uniform_values(seed + 1, batch * t * hidden),
                     [batch, t, hidden],
                     dtype,
                 )
@@ -446,10 +431,10 @@ fn decoder_block_steps<B: SlideSparseBackend>(dtype: DType, seed: u64) {
             let want_mlp = silu_mul_linear(gu, down).unwrap();
             let (h, mlp) = decoder_block((x, delta), &block, &mut k2, &mut v2, step()).unwrap();
             let what = format!("decoder_block {kind}, start {start}, t {t}");
-            same_bits(&format!("{what} (h)"), h, want_h);
-            same_bits(&format!("{what} (mlp)"), mlp, want_mlp);
-            same_bits(&format!("{what} keys"), k2.clone(), k1.clone());
-            same_bits(&format!("{what} values"), v2.clone(), v1.clone());
+            assert_same_bits(&format!("{what} (h)"), h, want_h);
+            assert_same_bits(&format!("{what} (mlp)"), mlp, want_mlp);
+            assert_same_bits(&format!("{what} keys"), k2.clone(), k1.clone());
+            assert_same_bits(&format!("{what} values"), v2.clone(), v1.clone());
             start += t;
         }
     }

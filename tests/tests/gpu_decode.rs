@@ -21,43 +21,11 @@ use burn_slidesparse::{
     add_rms_norm, decoder_block,
 };
 use cubecl::cuda::CudaRuntime;
-use rand::Rng;
-use slidesparse_tests::rng;
+use slidesparse_tests::{assert_same_bits, relative_l2, tensor_of, to_host, uniform_values};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type Gpu16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
 type Cpu = NdArray;
-
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut r = rng(seed);
-    (0..n).map(|_| r.random_range(-2.0f32..2.0)).collect()
-}
-
-fn tensor<B: Backend, const N: usize>(
-    data: &[f32],
-    shape: [usize; N],
-    dtype: DType,
-) -> Tensor<B, N> {
-    Tensor::from_data(
-        TensorData::new(data.to_vec(), shape),
-        (&Default::default(), dtype),
-    )
-}
-
-fn host<B: Backend, const N: usize>(t: Tensor<B, N>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
-}
-
-/// `||got - want|| / ||want||`.
-fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let (mut err, mut norm) = (0f64, 0f64);
-    for (g, w) in got.iter().zip(want) {
-        err += (*g as f64 - *w as f64).powi(2);
-        norm += (*w as f64).powi(2);
-    }
-    (err / norm.max(1e-30)).sqrt()
-}
 
 /// `values` as `dtype` holds them (bf16-rounded for bf16): what both sides of a comparison
 /// start from.
@@ -79,10 +47,10 @@ fn linears_as<B: SlideSparseBackend>(
     seed: u64,
 ) -> Vec<(&'static str, MaybeSparseLinear<B>)> {
     let mut linear: Linear<B> = LinearConfig::new(k, n).init(&Default::default());
-    let weight = rounded(values(seed, n * k), as_if);
-    let bias = rounded(values(seed + 1, n), as_if);
-    linear.weight = Param::from_tensor(tensor(&weight, [k, n], dtype));
-    linear.bias = Some(Param::from_tensor(tensor(&bias, [n], dtype)));
+    let weight = rounded(uniform_values(seed, n * k), as_if);
+    let bias = rounded(uniform_values(seed + 1, n), as_if);
+    linear.weight = Param::from_tensor(tensor_of(&weight, [k, n], dtype));
+    linear.bias = Some(Param::from_tensor(tensor_of(&bias, [n], dtype)));
     let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
     vec![
         (
@@ -122,12 +90,12 @@ fn gemv_layers<B: SlideSparseBackend>(dtype: DType, tol: f64, seed: u64) {
         let cpu = linears_as::<Cpu>((k, n), (DType::F32, dtype), seed + 10 * i as u64);
         for ((kind, g), (_, c)) in gpu.iter().zip(&cpu) {
             for m in [1, 2, 7, 8, 9, 15, 16] {
-                let x = values(seed + 1000 + m as u64, m * k);
-                let got = host(g.try_forward(tensor::<B, 2>(&x, [m, k], dtype)).unwrap());
+                let x = uniform_values(seed + 1000 + m as u64, m * k);
+                let got = to_host(g.try_forward(tensor_of::<B, 2>(&x, [m, k], dtype)).unwrap());
                 // The reference reads the same 16-bit-rounded input.
-                let x16 = host(tensor::<B, 2>(&x, [m, k], dtype));
-                let want = host(
-                    c.try_forward(tensor::<Cpu, 2>(&x16, [m, k], DType::F32))
+                let x16 = to_host(tensor_of::<B, 2>(&x, [m, k], dtype));
+                let want = to_host(
+                    c.try_forward(tensor_of::<Cpu, 2>(&x16, [m, k], DType::F32))
                         .unwrap(),
                 );
                 let err = relative_l2(&got, &want);
@@ -170,8 +138,11 @@ const BLOCKS: usize = 2;
 
 fn norm<B: Backend>(seed: u64) -> RmsNorm<B> {
     let mut n = RmsNormConfig::new(HIDDEN).init::<B>(&Default::default());
-    let gamma: Vec<f32> = values(seed, HIDDEN).iter().map(|v| 1.0 + 0.2 * v).collect();
-    n.gamma = Param::from_tensor(tensor(&gamma, [HIDDEN], DType::BF16));
+    let gamma: Vec<f32> = uniform_values(seed, HIDDEN)
+        .iter()
+        .map(|v| 1.0 + 0.2 * v)
+        .collect();
+    n.gamma = Param::from_tensor(tensor_of(&gamma, [HIDDEN], DType::BF16));
     n
 }
 
@@ -192,8 +163,8 @@ fn model<B: SlideSparseBackend>(kind: usize, capacity: usize, seed: u64) -> Mode
     let mut rope = RotaryEncodingConfig::new(capacity, D).init::<B>(&Default::default());
     rope.freq_complex = rope.freq_complex.cast(DType::BF16);
     Model {
-        embedding: tensor(
-            &values(seed + 7, VOCAB * HIDDEN),
+        embedding: tensor_of(
+            &uniform_values(seed + 7, VOCAB * HIDDEN),
             [VOCAB, HIDDEN],
             DType::BF16,
         ),
@@ -252,26 +223,11 @@ fn caches<B: Backend>(
         .map(|b| {
             let shape = [batch, capacity, HKV, D];
             (
-                tensor(&values(seed + 2 * b, n), shape, DType::BF16),
-                tensor(&values(seed + 2 * b + 1, n), shape, DType::BF16),
+                tensor_of(&uniform_values(seed + 2 * b, n), shape, DType::BF16),
+                tensor_of(&uniform_values(seed + 2 * b + 1, n), shape, DType::BF16),
             )
         })
         .collect()
-}
-
-fn same_bits<B: Backend, const N: usize>(what: &str, got: Tensor<B, N>, want: Tensor<B, N>) {
-    let (got, want) = (host(got), host(want));
-    let differ = got
-        .iter()
-        .zip(&want)
-        .filter(|(g, w)| g.to_bits() != w.to_bits())
-        .count();
-    assert_eq!(
-        differ,
-        0,
-        "{what}: {differ} of {} elements differ",
-        got.len()
-    );
 }
 
 /// Steps replayed as graphs equal the same launches run one by one: tokens at every step,
@@ -302,14 +258,14 @@ fn decode_graph_replays_equal_the_launches_run_one_by_one() {
                 );
             }
             assert_eq!(graph.graphs(), 2, "one graph per bucket");
-            same_bits(
+            assert_same_bits(
                 &format!("{name} batch {batch} logits"),
                 graph.logits().unwrap(),
                 direct.logits().unwrap(),
             );
             for (i, ((ka, va), (kb, vb))) in a.iter().zip(&b).enumerate() {
-                same_bits(&format!("{name} block {i} keys"), ka.clone(), kb.clone());
-                same_bits(&format!("{name} block {i} values"), va.clone(), vb.clone());
+                assert_same_bits(&format!("{name} block {i} keys"), ka.clone(), kb.clone());
+                assert_same_bits(&format!("{name} block {i} values"), va.clone(), vb.clone());
             }
             println!(
                 "{name}, batch {batch}: 10 steps from position 250, graph == launches ({} launches a step)",
@@ -338,7 +294,7 @@ fn decode_graph_matches_the_block_operations() {
         let mut graph = m.graph(&a);
         graph.set(start, &tokens).unwrap();
         graph.step().unwrap();
-        let got = host(graph.logits().unwrap());
+        let got = to_host(graph.logits().unwrap());
         // The block operations on the same tokens.
         let ids = Tensor::<Gpu16, 1, burn::tensor::Int>::from_data(
             TensorData::new(
@@ -365,7 +321,7 @@ fn decode_graph_matches_the_block_operations() {
             delta = Some(mlp);
         }
         let (_, normed) = add_rms_norm(x, delta.unwrap(), &m.final_norm).unwrap();
-        let want = host(m.head.try_forward(normed.reshape([batch, HIDDEN])).unwrap());
+        let want = to_host(m.head.try_forward(normed.reshape([batch, HIDDEN])).unwrap());
         let err = relative_l2(&got, &want);
         assert!(
             err < 2e-2,
