@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|spgemm|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
@@ -79,6 +79,18 @@ if [ "$what" = gemv ]; then
   echo "gemv bench exit code: $?"
   tail -3 "$OUT/gemv.err"
   cat "$OUT/gemv.md"
+fi
+if [ "$what" = spgemm ]; then
+  # The Hopper 2:4 sparse INT8 GEMM (burn-slidesparse/src/cuda/kernels/sparse_gemm_sm90.cu), built
+  # with the host's nvcc: checked exactly against the CPU and cuBLASLt, timed against cuBLASLt's
+  # dense INT8 GEMM (extra args go to the binary, e.g. --check-only).
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -Xcompiler -fopenmp \
+    -I burn-slidesparse/src/cuda/kernels scripts/bench-spgemm.cu -lcublasLt -o /tmp/bench-spgemm \
+    > "$OUT/spgemm.err" 2>&1 && /tmp/bench-spgemm "$@" > "$OUT/spgemm.md" 2>> "$OUT/spgemm.err"
+  echo "spgemm bench exit code: $?"
+  grep -E "error|warning|registers|spill" "$OUT/spgemm.err" | head -20
+  tail -3 "$OUT/spgemm.err"
+  cat "$OUT/spgemm.md"
 fi
 if [ "$what" = profile ]; then
   ncu --profile-from-start off --clock-control none --cache-control none \

@@ -1,0 +1,407 @@
+// Hopper (sm_90a) 2:4 structured-sparse INT8 GEMM on `wgmma.mma_async.sp`: stage (b) of the plan,
+// correctness first on ONE tile configuration. Not wired into the library yet; built and checked
+// by scripts/bench-spgemm.cu (`scripts/gpu-run.sh spgemm`). Must be compiled for sm_90a
+// (`-gencode=arch=compute_90a,code=sm_90a`); elsewhere the kernels trap.
+//
+// What it computes (the transposed product, as cuSPARSELt does, so that the sparse matrix is
+// wgmma's A operand):
+//   D[n, t] = sum_k W'[n, k] X'[t, k]      n < N_out (weight rows), t < M (tokens), k < K'
+//   OUT = 0: y INT32 [M, ldy], y[t, n] = D[n, t]                     (exact)
+//   OUT = 1: y bf16  [M, ldy], y[t, n] = bf16_rn(((f32)D * s_x[t]) * s_w[n] + bias[n])
+//            (f32, one rounding per operation, no FMA: the order decode_gemv.cu uses)
+// y is row-major [M, N_out], the layout burn and the cuSPARSELt path use.
+//
+// Tile configuration (the only one): CTA tile 128 weight rows x 128 tokens x 256 K' per stage;
+// 256 threads = 2 warpgroups, warpgroup w owns weight rows [64 w, 64 w + 64) of the CTA tile and
+// all 128 tokens: per stage 4 x `wgmma.mma_async.sp.sync.aligned.m64n128k64.s32.s8.s8`
+// (64 INT32 accumulators per thread). Both warpgroups also load (no producer warp).
+//
+// Pipeline: plain `cp.async` (16-byte, zero-fill for token/K' tails) into a ring of STAGES = 4
+// shared-memory stages, `cp.async.wait_group` + `fence.proxy.async` + `__syncthreads` per K' tile.
+// Chosen over TMA for this first version: TMA needs a tensor map built with the driver API
+// (cuTensorMapEncodeTiled through libcuda or cudaGetDriverEntryPoint) and mbarrier
+// expect-tx bookkeeping, two more things that can fail silently without a GPU to try them on;
+// cp.async lets us write the 128B-swizzled layout ourselves with one XOR. TMA + a producer
+// warp + mbarriers is stage (c).
+// Two variants of the loop (template INFLIGHT):
+//   INFLIGHT = false: wgmma.wait_group 0 after each tile (tensor cores idle during the barrier);
+//                     loads run STAGES - 1 tiles ahead.
+//   INFLIGHT = true:  one wgmma group stays in flight across the barrier (wait_group 1), so loads
+//                     run STAGES - 2 tiles ahead (the stage of tile kt - 1 may still be read).
+//
+// Shared memory of one stage (53248 bytes, every part 1024-byte aligned):
+//   A  [128 rows][128 bytes]              compressed W' (2 kept values of each group of 4 K'),
+//                                         128B-swizzled, K-major
+//   B  [2 halves of K'][128 tokens][128 bytes]  X' tile, 128B-swizzled, K-major (each half is
+//                                         one 128-byte swizzle row wide)
+//   E  [2 warpgroups][128 threads][4 words]  metadata registers, already in thread order
+// 128B swizzle (Swizzle<3,4,3> in CuTe): inside each 1024-byte atom of 8 rows x 128 bytes, the
+// 16-byte chunk c of row r sits at chunk c ^ (r & 7); atoms must be 1024-byte aligned because the
+// hardware applies the XOR on absolute address bits [4,7) ^= [7,10).
+//
+// Global layouts (the contract with the host packer, `pack24` in scripts/bench-spgemm.cu, which
+// owns every reordering; pads N_out to 128 and K' to 256):
+//   a: INT8 [n_pad][lda], lda = k_tiles * 128 (= K'_pad / 2). Row n, group j (K' [4j, 4j + 4)):
+//      bytes 2j, 2j + 1 = the values at positions idx0 < idx1 of that group (a zero where the
+//      group has fewer than 2 nonzeros). Padding rows/groups are zero.
+//   e: u32 [n_pad / 64][k_tiles][128][4]: word ((nb * k_tiles + kb) * 128 + t) * 4 + s is the
+//      metadata register of thread t (0..127) of the warpgroup that owns rows [64 nb, 64 nb + 64),
+//      for the k-step s (0..3) of K' tile kb, i.e. K' [256 kb + 64 s, 256 kb + 64 s + 64).
+//      Inside a word, nibble i (bits [4i, 4i + 4)) is the group of K'
+//      [kbase + 4i, kbase + 4i + 4) of row `row`, as idx0 | idx1 << 2, idx0 < idx1, where for
+//      warp w = t / 32, lane l = t % 32:
+//          row   = 64 nb + 16 w + (l >> 2) + 8 * (l & 1)
+//          kbase = 256 kb + 64 s + 32 * ((l >> 1) & 1)
+//      Padding groups use idx (0, 1) = nibble 0x4 (0b0000 is an invalid metadata value).
+//   x: INT8 [m][ldx], K'-contiguous, rows 16-byte aligned, K' (p.k) a multiple of 16; columns
+//      >= K' and rows >= m are never read (zero-filled in shared memory).
+//
+// Sources of the layout facts (file paths in github.com/NVIDIA/cutlass at 7107b055, Aug 2026;
+// PTX ISA sections as in the PTX ISA 8.x/9.x documentation):
+//   [PTX-SP]   PTX ISA 9.7.15.6.1 "Sparse matrix storage" (wgmma): for integer types, m64nNk64,
+//              2:4 along K, the two kept values stored, "two 2-bit indices in the metadata",
+//              "All threads contribute the sparsity metadata and the sparsity selector must be
+//              0"; nibbles 0b0000, 0b0101, 0b1010, 0b1111 are invalid (undefined behaviour).
+//   [PTX-FRAG] PTX ISA 9.7.15.6.2 / 9.7.15.6.2.3: warp %warpid % 4 = w provides the metadata of
+//              rows [16 w, 16 w + 16) of A; the metadata operand is one .b32 of 16 4-bit
+//              vectors (Figures 180/181 give the bit map; they are images we could not read).
+//   [PTX-ORD]  PTX ISA 9.7.14.6.1 (mma.sp::ordered_metadata, same 4-bit encoding): meaningful
+//              values 0b0100, 0b1000, 0b1001, 0b1100, 0b1101, 0b1110, i.e. idx0 in bits [1:0],
+//              idx1 in bits [3:2], idx0 < idx1. We always emit such values.
+//   [CUTE-E]   include/cute/atom/mma_traits_sm90_gmma_sparse.hpp, ELayout_64x64 (the E layout of
+//              every GMMA_64xNx64 S8/U8/E4M3 sparse atom): thread (2,2,8,4):(8,2048,1,16),
+//              value (32):(64) over the column-major 64 x 64 (M x K) tile, i.e. lane bit 0 ->
+//              row + 8, lane bit 1 -> K + 32, lane >> 2 -> row, warp -> row + 16, and the 32
+//              values (32 consecutive K) of a thread are its one .b32 (ValTypeE =
+//              sparse_elem<8, uint8_t>: 8 K per byte, so byte b covers K [8b, 8b + 8)).
+//   [CUTE-ECFG] include/cutlass/gemm/collective/builders/sm90_sparse_config.inl,
+//              TensorEAtom_8bit: E stored row-major (K contiguous) for 8-bit types, consistent
+//              with a thread's 32 K of one row being one contiguous 32-bit word.
+//   [CUTE-COMP] include/cutlass/transform/kernel/sm90_sparse_gemm_compressor.hpp: the kept value
+//              number i of a chunk (in increasing position) gets its 2-bit position at bits
+//              [2i, 2i + 2) of the chunk's 4-bit metadata (uint4_t chunks, packed low nibble
+//              first, row-major per TensorEAtom_8bit); values stored in increasing position. (It
+//              writes 0b0000 for an all-zero chunk, a value PTX calls invalid; we write 0b0100.)
+//   [CUTE-SPA] mma_traits_sm90_gmma_sparse.hpp Layout_K_SW128_SpAtom and
+//              include/cutlass/gemm/collective/builders/sm90_common.inl ss_smem_selector_sparse:
+//              the sparse A tile in shared memory is the COMPRESSED matrix laid out exactly like a
+//              dense K-major SW128 tile of K/2 elements (logical K / 2 = physical bytes).
+//   [CUTE-DESC] include/cute/arch/mma_sm90_desc.hpp (GmmaDescriptor bit fields) and
+//              include/cute/atom/mma_traits_sm90_gmma.hpp make_gmma_desc<Major::K>: start
+//              address >> 4 in bits [0,14), LBO >> 4 in [16,30) (unused for swizzled K-major,
+//              "assumed to be 1"), SBO >> 4 in [32,46) (stride between 8-row groups), base
+//              offset in [49,52), layout type in [62,64) with SWIZZLE_128B = 1; "K-size 2 for
+//              dense or 4 for sparse (in units of uint128_t)" (sparse B: 64 bytes per k64 step).
+//              DescriptorIterator advances only the start address (K steps inside the atom).
+//   [CUTE-OP]  include/cute/arch/mma_sm90_gmma_sparse.hpp GMMA_64x128x64_S32S8S8_SS_TN: the PTX
+//              string "wgmma.mma_async.sp.sync.aligned.m64n128k64.s32.s8.s8 {d}, desc_a, desc_b,
+//              e, spsel, p" (scale-d predicate only; no transpose or negate immediates for
+//              integer types, both operands K-major).
+//   [CUTE-C]   mma_traits_sm90_gmma.hpp CLayout_64xN: accumulator d[4j + v] of lane l of warp w
+//              is row 16 w + (l >> 2) + 8 (v >> 1), column 8 j + 2 (l & 3) + (v & 1).
+
+#include "common.cuh"
+
+// Must match the harness (and a future repr(C) struct in Rust).
+struct SpGemmParams {
+    u64 a;        // compressed W' values, INT8 [n_pad][lda]
+    u64 e;        // metadata words, u32 [n_pad / 64][k_tiles][128][4]
+    u64 x;        // X', INT8 [m][ldx]
+    u64 sx;       // f32 [m] (OUT = 1)
+    u64 sw;       // f32 [n] (OUT = 1)
+    u64 bias;     // f32 [n] or 0 (OUT = 1)
+    u64 y;        // INT32 or bf16 [m][ldy]
+    int m, n, k;  // tokens, weight rows (unpadded), K' (valid columns of X', multiple of 16)
+    int lda, ldx, ldy;
+    int k_tiles;  // K'_pad / 256
+};
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SPGEMM_HAS_WGMMA 1
+#else
+#define SPGEMM_HAS_WGMMA 0
+#endif
+
+// Dynamic shared memory of a kernel with S stages (+1024 to align the ring to 1024 bytes).
+#define SPGEMM_STAGE_BYTES 53248
+#define SPGEMM_SMEM_BYTES(S) ((S) * SPGEMM_STAGE_BYTES + 1024)
+#define SPGEMM_THREADS 256
+#define SPGEMM_TILE_N 128  // weight rows per CTA (grid.y = n_pad / 128)
+#define SPGEMM_TILE_M 128  // tokens per CTA (grid.x = ceil(m / 128))
+
+namespace spgemm {
+
+constexpr int BM = 128;                   // weight rows per CTA (wgmma M: 2 x 64)
+constexpr int BN = 128;                   // tokens per CTA (wgmma N)
+constexpr int BK = 256;                   // K' per stage (4 wgmma k-steps of 64)
+constexpr int A_BYTES = BM * BK / 2;      // 16384: 128 rows x 128 compressed bytes
+constexpr int B_BYTES = BN * BK;          // 32768: 2 x [128 tokens][128 bytes]
+constexpr int B_HALF = BN * 128;          // 16384: one 128-byte-wide K' half of B
+constexpr int E_BYTES = 2 * 128 * 16;     // 4096: 2 warpgroups x 128 threads x 4 words
+constexpr int STAGE = A_BYTES + B_BYTES + E_BYTES;
+static_assert(STAGE == SPGEMM_STAGE_BYTES, "stage size");
+static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0 && STAGE % 1024 == 0, "1024-byte alignment of the swizzled parts");
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+// src_size 0 writes 16 zero bytes (src must still be a valid address).
+__device__ __forceinline__ void cp16_zfill(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void lds128(u32 addr, u32 (&v)[4]) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(addr) : "memory");
+}
+
+#if SPGEMM_HAS_WGMMA
+// Makes this thread's completed generic-proxy writes to shared memory (the cp.async data) visible
+// to the async proxy that wgmma reads through. UNVERIFIED: whether cp.async writes need it at all
+// (CUTLASS's cp.async + GMMA mainloop, sm90_mma_multistage_gmma_ss_warpspecialized.hpp, has no
+// such fence; HOPPER.md and the PTX memory model ask for it after ordinary stores). Kept: it is
+// cheap and errs on the safe side.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Pins a register's value at this point of the program (CUTLASS's warpgroup_fence_operand): the
+// compiler may not move reads or writes of `r` across it.
+__device__ __forceinline__ void fence_reg(int& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void fence_reg(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// Shared-memory matrix descriptor for a K-major operand in the 128B-swizzle layout [CUTE-DESC]:
+// start address >> 4, LBO = 1 (unused for swizzled K-major), SBO = 1024 bytes (8 rows of 128
+// bytes), base offset 0 (atoms 1024-aligned), layout type 1 = SWIZZLE_128B.
+// A K-step inside the 128-byte swizzle row is taken by advancing the start address only (what
+// CUTLASS's DescriptorIterator does). UNVERIFIED for the sparse A operand: advancing by 32 bytes
+// (one k64 step of compressed s8) inside the swizzle row, as for a dense m64nNk32 s8 A.
+__device__ __forceinline__ u64 desc_sw128(u32 saddr) {
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// D[64 x 128] += A_sparse[64 x 64 (32 stored bytes per row)] * B[64 x 128], s8 x s8 -> s32,
+// A and B from shared memory, `e` this thread's metadata register, sparsity selector 0 (the only
+// legal value for 8-bit types [PTX-SP]); accumulate (scale-d = 1): the caller zeroes `d` first.
+// Operand order and PTX string as [CUTE-OP].
+__device__ __forceinline__ void wgmma_sp_m64n128k64(int (&d)[64], u64 desc_a, u64 desc_b, u32 e) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %67, 0;\n"
+        "wgmma.mma_async.sp.sync.aligned.m64n128k64.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, %66, 0, p;\n"
+        "}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+          "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+          "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+          "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+          "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(e), "r"(1));
+}
+#endif  // SPGEMM_HAS_WGMMA
+
+// Issues this thread's copies of K' tile `kt` into the stage at shared address `st`:
+// A 1024 chunks of 16 bytes (4 per thread), B 2048 (8 per thread), E 256 (1 per thread).
+// Consecutive threads take consecutive 16-byte chunks of a row (coalesced).
+__device__ __forceinline__ void load_tile(const SpGemmParams& p, u32 st, int kt, int m0, int n0, int tid) {
+    const char* a = (const char*)p.a;
+    const char* x = (const char*)p.x;
+    const char* e = (const char*)p.e;
+    // A: row r (0..127) of the CTA's weight rows, compressed bytes [128 kt, 128 kt + 128).
+    // The host padded rows to n_pad and K' to k_tiles * 256, so every chunk is in bounds.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = tid + SPGEMM_THREADS * j, row = c >> 3, ch = c & 7;
+        cp16(st + row * 128 + ((ch ^ (row & 7)) << 4), a + (size_t)(n0 + row) * p.lda + (size_t)kt * 128 + ch * 16);
+    }
+    // B: token row r, K' bytes [256 kt + 16 col, + 16): half col >> 3, chunk col & 7 of the row.
+    const u32 sb = st + A_BYTES;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int c = tid + SPGEMM_THREADS * j, row = c >> 4, col = c & 15, ch = col & 7;
+        const int tok = m0 + row, kk = kt * BK + col * 16;
+        const bool ok = tok < p.m && kk < p.k;
+        const char* src = ok ? x + (size_t)tok * p.ldx + kk : x;
+        cp16_zfill(sb + (col >> 3) * B_HALF + row * 128 + ((ch ^ (row & 7)) << 4), src, ok);
+    }
+    // E: the 2 KB block of words of 64-row block 2 blockIdx.y + h for tile kt, copied as is.
+    {
+        const int h = tid >> 7, t = tid & 127;
+        const size_t word = (((size_t)(2 * (n0 / BM) + h) * p.k_tiles + kt) * 128 + t) * 4;
+        cp16(st + A_BYTES + B_BYTES + tid * 16, e + word * 4);
+    }
+}
+
+template <int OUT>
+__device__ __forceinline__ void store_out(const SpGemmParams& p, int tok, int n, int v) {
+    const size_t at = (size_t)tok * p.ldy + n;
+    if (OUT == 0) {
+        ((int*)p.y)[at] = v;
+    } else {
+        float y = __fmul_rn(__fmul_rn((float)v, ((const float*)p.sx)[tok]), ((const float*)p.sw)[n]);
+        if (p.bias) y = __fadd_rn(y, ((const float*)p.bias)[n]);
+        u16 h;
+        asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(y));
+        ((u16*)p.y)[at] = h;
+    }
+}
+
+// One CTA: weight rows [128 blockIdx.y, + 128), tokens [128 blockIdx.x, + 128).
+template <int STAGES, bool INFLIGHT, int OUT>
+__device__ __forceinline__ void run(const SpGemmParams& p, unsigned char* smem) {
+#if SPGEMM_HAS_WGMMA
+    // Tiles in flight ahead of the one computed (see the header).
+    constexpr int P = INFLIGHT ? STAGES - 2 : STAGES - 1;
+    static_assert(P >= 1, "too few stages");
+    const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127;
+    const int m0 = blockIdx.x * BN, n0 = blockIdx.y * BM;
+    const u32 base = (smem_u32(smem) + 1023u) & ~1023u;
+    const int kts = p.k_tiles;
+
+    int acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0;
+    u32 e_prev[4] = {0u, 0u, 0u, 0u};
+
+#pragma unroll
+    for (int s = 0; s < P; ++s) {
+        if (s < kts) load_tile(p, base + s * STAGE, s, m0, n0, tid);
+        cp_commit();  // always (possibly empty), so that group i is tile i
+    }
+
+    for (int kt = 0; kt < kts; ++kt) {
+        // Groups committed so far: tiles 0 .. kt + P - 1; tile kt must be complete.
+        cp_wait<P - 1>();
+        fence_proxy_async();
+        // All threads' copies of tile kt have landed, and every warpgroup has finished the
+        // wgmma group of tile kt - 1 (serial) or kt - 2 (in flight), whose stage we refill now.
+        __syncthreads();
+        {
+            const int nt = kt + P;
+            if (nt < kts) load_tile(p, base + (nt % STAGES) * STAGE, nt, m0, n0, tid);
+            cp_commit();
+        }
+        const u32 st = base + (kt % STAGES) * STAGE;
+        const u32 sa = st + wg * (64 * 128);  // this warpgroup's 64 rows
+        const u32 sb = st + A_BYTES;
+        u32 e[4];
+        lds128(st + A_BYTES + B_BYTES + wg * 2048 + t128 * 16, e);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) fence_reg(acc[i]);
+        wgmma_fence();  // orders the e loads (and the zeroed accumulators) before the wgmmas
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+            wgmma_sp_m64n128k64(acc, desc_sw128(sa + s * 32), desc_sw128(sb + (s >> 1) * B_HALF + (s & 1) * 64), e[s]);
+        wgmma_commit();
+        if (INFLIGHT) {
+            wgmma_wait<1>();  // the group of tile kt - 1 is done
+            // UNVERIFIED (low): whether wgmma reads the metadata register at issue or later. Keep
+            // the previous tile's words live until its group is known complete, so the compiler
+            // cannot put this tile's words in the same registers while it may still be read.
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                fence_reg(e_prev[i]);
+                e_prev[i] = e[i];
+            }
+        } else {
+            wgmma_wait<0>();
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) fence_reg(acc[i]);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) fence_reg(acc[i]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) fence_reg(e_prev[i]);
+    cp_wait<0>();  // only empty groups can be left; drain them before exit
+
+    // Epilogue straight from the accumulators [CUTE-C]: thread (warp w, lane l) holds rows
+    // 16 w + (l >> 2) (+ 8) of its warpgroup's 64 and tokens 8 j + 2 (l & 3) (+ 1).
+    // TODO(perf): stage through shared memory for coalesced 16-byte stores.
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    const int nrow = n0 + wg * 64 + warp * 16 + (lane >> 2);
+    const int tcol = m0 + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
+            if (n < p.n && tok < p.m) store_out<OUT>(p, tok, n, acc[4 * j + v]);
+        }
+#else
+    __trap();  // not built for sm_90a
+#endif
+}
+
+}  // namespace spgemm
+
+#define SPGEMM_KERNEL(NAME, STAGES, INFLIGHT, OUT)                                                 \
+    extern "C" __global__ void __launch_bounds__(SPGEMM_THREADS, 1) NAME(const SpGemmParams p) { \
+        extern __shared__ __align__(1024) unsigned char spgemm_smem[];                             \
+        spgemm::run<STAGES, INFLIGHT, OUT>(p, spgemm_smem);                                        \
+    }
+
+// grid (ceil(m / 128), n_pad / 128), 256 threads, SPGEMM_SMEM_BYTES(4) bytes of dynamic shared
+// memory (raise the limit with cudaFuncSetAttribute first).
+SPGEMM_KERNEL(spgemm_sm90_i32, 4, true, 0)
+SPGEMM_KERNEL(spgemm_sm90_i32_serial, 4, false, 0)
+SPGEMM_KERNEL(spgemm_sm90_bf16, 4, true, 1)
+
+// -------------------------------------------------------------------------------------------------
+// Status
+//
+// Written on a machine with no GPU and no nvcc: NEVER COMPILED BY NVCC, NEVER RUN ON A GPU. Every
+// layout fact above is taken from the sources listed in the header; the points below are the
+// ones not confirmed by a document we could read, in order of risk (check them first, with
+// scripts/bench-spgemm.cu, whose small cases isolate them):
+//   1. UNVERIFIED: metadata thread map (lane bit 0 -> row + 8, lane bit 1 -> K' + 32 inside each
+//      warp's 16 x 64 block), taken from CuTe's ELayout_64x64 [CUTE-E]; the PTX figures that state
+//      it are images. If the constant-metadata cases (ones01, rand01, kstep*) pass and rand24 /
+//      randsp / slid68 fail, this is it: the harness retries with the two lane bits swapped
+//      (pack24's `emap` = 1) and says whether that passes.
+//   2. UNVERIFIED (lower risk: [CUTE-E], [CUTE-ECFG], [CUTE-COMP] and [PTX-ORD] agree): nibble
+//      order inside the word (nibble i = the i-th group of 4 in increasing K', bits [1:0] = idx0
+//      of the first stored value, bits [3:2] = idx1 of the second). Same symptom as 1.
+//   3. UNVERIFIED: the sparse A descriptor: compressed 64 x 32-byte slab per k64 step read as a
+//      dense K-major SW128 tile [CUTE-SPA], with the start address advanced by 32 bytes per
+//      k-step inside the 128-byte swizzle row (64 bytes for B). If ones01 passes and rand01
+//      fails, or only some kstep* cases pass, look here (and at the B half offset).
+//   4. UNVERIFIED: the inline-asm form of wgmma.mma_async.sp for s8 (from [CUTE-OP]) and that
+//      ptxas accepts it with `-gencode=arch=compute_90a,code=sm_90a` (HOPPER.md: the plain
+//      `-arch=sm_90a` shorthand was seen to run an sm_90 pass that rejects wgmma).
+//   5. UNVERIFIED: cp.async data visibility to wgmma: fence.proxy.async after cp.async.wait_group
+//      then __syncthreads (conservative; may be unnecessary).
+//   6. UNVERIFIED (low): metadata register lifetime while a wgmma group is in flight (INFLIGHT
+//      variant; e_prev pinning). If only spgemm_sm90_i32 fails and _serial passes, look here or
+//      at the stage-reuse distance (P = STAGES - 2).
+//   7. ptxas may report wgmma serialization warnings (C7510-style) or spills: read `-Xptxas -v`.
+// Checked without a GPU: `g++ -fsyntax-only` of this file and the harness against stub headers,
+// and a throwaway CPU emulation (kernel source run on 256 std::threads per CTA, cp.async and
+// wgmma.sp modelled from the facts above, under ASan and TSan, copies early + MMA late and the
+// reverse): all small cases of the harness exact, a wrong metadata map and a wrong prefetch
+// distance both caught. That validates the packer, smem layout, descriptors, pipeline and
+// epilogue against EACH OTHER and against the model, not the model against the hardware.
+// Performance is not tuned: no TMA, no producer warp, no setmaxnreg, 1 CTA per SM, a direct
+// (uncoalesced) epilogue, n128 tiles, no persistent/rasterized schedule.
