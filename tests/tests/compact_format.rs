@@ -185,6 +185,9 @@ fn version_2_files_load_and_are_converted() {
     );
 }
 
+/// A packed file's tensors by name, as `format::layer_tensors` gives them.
+type NamedTensors = Vec<(String, format::OwnedTensor)>;
+
 /// Broken compact tensors: each an error naming the file and the tensor, never a panic.
 #[test]
 fn broken_compact_tensors_are_clear_errors() {
@@ -197,17 +200,18 @@ fn broken_compact_tensors_are_clear_errors() {
         20,
     );
     let (meta, tensors) = format::layer_tensors(&layer).unwrap();
-    let load = |edit: &dyn Fn(&mut Vec<(String, format::OwnedTensor)>)| {
+    let load = |edit: &dyn Fn(&mut NamedTensors)| {
         let mut tensors = tensors.clone();
         edit(&mut tensors);
-        let bytes = format::serialize(&tensors, format::file_metadata(&[meta.clone()])).unwrap();
+        let bytes = format::serialize(&tensors, format::file_metadata(std::slice::from_ref(&meta)))
+            .unwrap();
         PackedFile::from_bytes("file.safetensors", &bytes)
             .map(|_| ())
             .unwrap_err()
             .to_string()
     };
     let edit = |suffix: &'static str, f: &'static dyn Fn(&mut format::OwnedTensor)| {
-        move |t: &mut Vec<(String, format::OwnedTensor)>| {
+        move |t: &mut NamedTensors| {
             f(&mut t.iter_mut().find(|(n, _)| n.ends_with(suffix)).unwrap().1)
         }
     };
