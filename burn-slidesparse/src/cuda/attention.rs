@@ -34,7 +34,7 @@ use crate::{
 };
 
 /// The attention kernels' program.
-const PROGRAM: Program = Program {
+pub(super) const PROGRAM: Program = Program {
     name: "attention",
     files: &["attention.cu"],
     min_capability: (8, 0),

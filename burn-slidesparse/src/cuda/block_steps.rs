@@ -29,7 +29,7 @@ use crate::{
 };
 
 /// The block steps' program.
-const PROGRAM: Program = Program {
+pub(super) const PROGRAM: Program = Program {
     name: "block step",
     files: &["rms_norm.cu", "silu_mul.cu", "rope_cache.cu"],
     min_capability: (8, 0),

@@ -15,7 +15,7 @@ use super::{
 use crate::error::Result;
 
 /// The program: the activations' quantization, the embedding and the argmax.
-const PROGRAM: Program = Program {
+pub(super) const PROGRAM: Program = Program {
     name: "decode step",
     files: &["act_quant.cu", "decode_step.cu"],
     min_capability: (8, 0),

@@ -25,7 +25,7 @@ use crate::{
 };
 
 /// The GEMV's program.
-const PROGRAM: Program = Program {
+pub(super) const PROGRAM: Program = Program {
     name: "decode GEMV",
     files: &["decode_gemv.cu"],
     min_capability: (8, 0),

@@ -161,3 +161,94 @@ pub use driver::{cuda_driver_present, device_count};
 pub use nccl_ranks::NcclRanks;
 
 pub use runtime::{CudaBackend, CudaFusionBackend};
+
+/// Every CUDA C file of `kernels/` compiles with NVRTC for every target this crate builds
+/// kernels for. NVRTC needs no GPU, so this runs in CI (which installs NVRTC and sets
+/// `SLIDESPARSE_TEST_REQUIRE_NVRTC`); without NVRTC and that variable it says so and passes.
+/// With `internals`, so that the benchmark tools' kernels are compiled too.
+#[cfg(all(test, feature = "internals"))]
+mod kernel_compile_tests {
+    use super::nvrtc_module::{FILES, Program, compile_builtin};
+
+    /// The sm_90a sparse GEMM, not yet launched by the library.
+    const SPARSE_GEMM_SM90: Program = Program {
+        name: "sm_90a sparse GEMM",
+        files: &["sparse_gemm_sm90.cu"],
+        min_capability: (9, 0),
+    };
+
+    /// Every program of the crate.
+    fn programs() -> Vec<&'static Program> {
+        vec![
+            &super::attention::PROGRAM,
+            &super::block_steps::PROGRAM,
+            &super::decode_step::PROGRAM,
+            &super::gemv::PROGRAM,
+            &super::side_kernels::PROGRAM,
+            &SPARSE_GEMM_SM90,
+        ]
+    }
+
+    /// NVRTC's target names for the compute capabilities a program may run on, as
+    /// `nvrtc_module` picks them, plus `sm_90a` (Hopper's wgmma and setmaxnreg).
+    fn targets(program: &Program) -> Vec<&'static str> {
+        let mut targets: Vec<&'static str> = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
+            .into_iter()
+            .filter(|&c| c >= program.min_capability)
+            .map(super::nvrtc_module::arch)
+            .collect();
+        targets.push("sm_90a");
+        targets
+    }
+
+    fn nvrtc_present() -> bool {
+        // SAFETY: only loads the library and drops it (no symbol is called).
+        let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        if !present && std::env::var_os("SLIDESPARSE_TEST_REQUIRE_NVRTC").is_some() {
+            panic!(
+                "SLIDESPARSE_TEST_REQUIRE_NVRTC is set but NVRTC (libnvrtc.so.13) was not found"
+            );
+        }
+        if !present {
+            eprintln!("NVRTC not found: the kernels were not compiled");
+        }
+        present
+    }
+
+    #[test]
+    fn every_kernel_file_is_in_a_program() {
+        let listed: Vec<&str> = FILES.iter().map(|f| f.name).collect();
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda/kernels");
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            assert!(
+                listed.contains(&name.as_str()),
+                "kernels/{name} is not in FILES"
+            );
+        }
+        let programs = programs();
+        for file in FILES.iter().filter(|f| f.name.ends_with(".cu")) {
+            assert!(
+                programs.iter().any(|p| p.files.contains(&file.name)),
+                "no program compiles {}",
+                file.name
+            );
+        }
+    }
+
+    #[test]
+    fn every_program_compiles_for_every_target() {
+        if !nvrtc_present() {
+            return;
+        }
+        let mut failures = Vec::new();
+        for program in programs() {
+            for arch in targets(program) {
+                if let Err(e) = compile_builtin(program, arch) {
+                    failures.push(format!("{} for {arch}: {e}", program.name));
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    }
+}

@@ -55,6 +55,7 @@ pub const FILES: &[KernelFile] = kernel_files![
     "act_quant.cu",
     "decode_step.cu",
     "decode_gemv.cu",
+    "sparse_gemm_sm90.cu",
 ];
 
 /// Files of [`FILES`] compiled together into one module.
@@ -96,7 +97,7 @@ impl DeviceInfo {
 }
 
 /// NVRTC's name for a compute capability (PTX of the closest older known target otherwise).
-fn arch((major, minor): (i32, i32)) -> &'static str {
+pub(super) fn arch((major, minor): (i32, i32)) -> &'static str {
     match (major, minor) {
         (8, 0) => "sm_80",
         (8, 6) => "sm_86",
@@ -145,17 +146,7 @@ impl LoadedProgram {
             });
         }
         let source = source_of(program, config()?.kernel_dir.as_deref())?;
-        let options = cudarc::nvrtc::CompileOptions {
-            arch: Some(arch(info.capability)),
-            options: vec!["-std=c++17".into()],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| {
-            SlideSparseError::Cuda {
-                call: "NVRTC",
-                code: format!("the {} kernels: {e:?}", program.name),
-            }
-        })?;
+        let ptx = compile(program, source, arch(info.capability))?;
         let image = CString::new(ptx.to_src()).map_err(|e| SlideSparseError::Cuda {
             call: "PTX",
             code: format!("the {} kernels: {e:?}", program.name),
@@ -191,6 +182,27 @@ impl LoadedProgram {
         }
         Ok(f)
     }
+}
+
+/// `source` (the text of `program`) compiled to PTX for `arch` (an NVRTC target name); the
+/// error holds NVRTC's log. Needs NVRTC, not a GPU.
+fn compile(program: &Program, source: String, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
+    let options = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: vec!["-std=c++17".into()],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| SlideSparseError::Cuda {
+        call: "NVRTC",
+        code: format!("the {} kernels: {e:?}", program.name),
+    })
+}
+
+/// `program`'s built-in files compiled for `arch`, for the tests that check every kernel
+/// compiles without a GPU.
+#[cfg(test)]
+pub(super) fn compile_builtin(program: &Program, arch: &'static str) -> Result<()> {
+    compile(program, source_of(program, None)?, arch).map(|_| ())
 }
 
 /// The text of file `name`: from `dir` when given (`SLIDESPARSE_KERNEL_DIR`), else the one

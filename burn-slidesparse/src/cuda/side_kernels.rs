@@ -14,7 +14,7 @@ use super::nvrtc_module::{LoadedProgram, Program};
 use crate::error::{Result, SlideSparseError};
 
 /// The gate's kernels (`__nanosleep` needs sm_70).
-const PROGRAM: Program = Program {
+pub(super) const PROGRAM: Program = Program {
     name: "stream gate",
     files: &["stream_gate.cu"],
     min_capability: (7, 0),

@@ -372,36 +372,38 @@ SPGEMM_KERNEL(spgemm_sm90_bf16, 4, true, 1)
 // -------------------------------------------------------------------------------------------------
 // Status
 //
-// Written on a machine with no GPU and no nvcc: NEVER COMPILED BY NVCC, NEVER RUN ON A GPU. Every
-// layout fact above is taken from the sources listed in the header; the points below are the
-// ones not confirmed by a document we could read, in order of risk (check them first, with
-// scripts/bench-spgemm.cu, whose small cases isolate them):
-//   1. UNVERIFIED: metadata thread map (lane bit 0 -> row + 8, lane bit 1 -> K' + 32 inside each
-//      warp's 16 x 64 block), taken from CuTe's ELayout_64x64 [CUTE-E]; the PTX figures that state
-//      it are images. If the constant-metadata cases (ones01, rand01, kstep*) pass and rand24 /
-//      randsp / slid68 fail, this is it: the harness retries with the two lane bits swapped
-//      (pack24's `emap` = 1) and says whether that passes.
-//   2. UNVERIFIED (lower risk: [CUTE-E], [CUTE-ECFG], [CUTE-COMP] and [PTX-ORD] agree): nibble
-//      order inside the word (nibble i = the i-th group of 4 in increasing K', bits [1:0] = idx0
-//      of the first stored value, bits [3:2] = idx1 of the second). Same symptom as 1.
-//   3. UNVERIFIED: the sparse A descriptor: compressed 64 x 32-byte slab per k64 step read as a
-//      dense K-major SW128 tile [CUTE-SPA], with the start address advanced by 32 bytes per
-//      k-step inside the 128-byte swizzle row (64 bytes for B). If ones01 passes and rand01
-//      fails, or only some kstep* cases pass, look here (and at the B half offset).
-//   4. UNVERIFIED: the inline-asm form of wgmma.mma_async.sp for s8 (from [CUTE-OP]) and that
-//      ptxas accepts it with `-gencode=arch=compute_90a,code=sm_90a` (HOPPER.md: the plain
-//      `-arch=sm_90a` shorthand was seen to run an sm_90 pass that rejects wgmma).
-//   5. UNVERIFIED: cp.async data visibility to wgmma: fence.proxy.async after cp.async.wait_group
-//      then __syncthreads (conservative; may be unnecessary).
-//   6. UNVERIFIED (low): metadata register lifetime while a wgmma group is in flight (INFLIGHT
-//      variant; e_prev pinning). If only spgemm_sm90_i32 fails and _serial passes, look here or
-//      at the stage-reuse distance (P = STAGES - 2).
-//   7. ptxas may report wgmma serialization warnings (C7510-style) or spills: read `-Xptxas -v`.
-// Checked without a GPU: `g++ -fsyntax-only` of this file and the harness against stub headers,
-// and a throwaway CPU emulation (kernel source run on 256 std::threads per CTA, cp.async and
-// wgmma.sp modelled from the facts above, under ASan and TSan, copies early + MMA late and the
-// reverse): all small cases of the harness exact, a wrong metadata map and a wrong prefetch
-// distance both caught. That validates the packer, smem layout, descriptors, pipeline and
-// epilogue against EACH OTHER and against the model, not the model against the hardware.
+// NOT YET RUN ON A GPU. What is established without one:
+//   - It builds: nvcc 13.0.88 (the GPU host's version) with
+//     `-gencode=arch=compute_90a,code=sm_90a -Xptxas -v`: 167-168 registers, no stack frame, no
+//     spills, no wgmma serialization warning; the SASS holds IGMMA.SP.64 (4 per K' tile per
+//     kernel). scripts/bench-spgemm.cu builds against cuBLASLt 13.0 too.
+//   - The layout facts, read in CUTLASS at 7107b055 and the PTX ISA text:
+//       metadata thread map: CuTe's ELayout_64x64 (mma_traits_sm90_gmma_sparse.hpp) decodes to
+//         lane bit 0 -> row + 8, lane bit 1 -> K' + 32, lane >> 2 -> row, warp -> row + 16 w, the
+//         thread's 32 consecutive K' one register; CUTLASS's sparse mainloop builds its metadata
+//         registers from that layout. The sparsity selector of integer types must be 0.
+//       nibble order: nibble i = K' [kbase + 4i, + 4), idx0 in bits [1:0], idx1 in [3:2]
+//         (sm90_sparse_gemm_compressor.hpp stores kept value i at bits [2i, 2i + 2), values in
+//         increasing position; sub-byte elements low bits first).
+//       sparse A in shared memory: the compressed bytes as a dense K-major SW128 tile
+//         (Layout_K_SW128_SpAtom), the descriptor built as for dense (make_gmma_desc: "K-size 2
+//         for dense or 4 for sparse, in units of uint128_t"), advanced by its start address
+//         only: +32 bytes (A) and +64 bytes (B) per k64 step. Descriptor fields as
+//         mma_sm90_desc.hpp: start >> 4, LBO 1 (unused with swizzle), SBO 64 (1024 bytes),
+//         base offset 0, swizzle 1 in bits 62-63.
+//       operand form: `d, a-desc, b-desc, sp-meta, sp-sel, scale-d`, no imm-scale / imm-trans
+//         for integer types (PTX ISA, wgmma.mma_async.sp; CUTLASS GMMA_64x128x64_S32S8S8_SS_TN).
+//       cp.async writes go through the generic proxy and wgmma reads through the async proxy,
+//         so the fence.proxy.async between cp.async.wait_group and the barrier is required.
+//   So pack24's `emap` 1 (lane bits swapped) is a diagnostic only, not a candidate.
+// What only the GPU can settle, in order of risk (scripts/bench-spgemm.cu isolates each):
+//   1. Metadata register lifetime while a wgmma group is in flight (the INFLIGHT variant, e_prev
+//      pinned): wgmma.wait_group documents the accumulators and A fragments, not the metadata
+//      register, and CUTLASS's sparse mainloops wait for every wgmma before reloading metadata
+//      (K_PIPE_MMAS = 0). spgemm_sm90_i32_serial is the reference; if only the INFLIGHT kernels
+//      fail, drop INFLIGHT rather than debug it.
+//   2. Anything the sources above describe only in figures (the PTX metadata figures are
+//      images): the constant-metadata cases (ones01, rand01, kstep*) separate the A/B layouts
+//      and descriptors from the metadata map (rand24, randsp, slid68).
 // Performance is not tuned: no TMA, no producer warp, no setmaxnreg, 1 CTA per SM, a direct
 // (uncoalesced) epilogue, n128 tiles, no persistent/rasterized schedule.
