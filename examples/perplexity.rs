@@ -23,7 +23,8 @@ use std::collections::HashMap;
 
 use burn_slidesparse::{
     ChannelPermutation, InputPermutation, PackOptions, PermutationSearch, Precision, PruneMethod,
-    SlideSparseBackend, SparseGptCalibration, SparsityPattern, gguf::GgufFile, sparsify_with,
+    SlideSparseBackend, SparseGptCalibration, SparsityPattern, gguf::GgufFile, quantize_dense,
+    sparsify_with,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -262,6 +263,15 @@ fn evaluate<B: SlideSparseBackend>(
         rows.push((name, ppls));
     };
     report("dense f32".into(), &dense);
+    // The dense model quantized alone: what the precision costs before any pruning.
+    for precision in args.precisions.split(',') {
+        let precision: Precision = precision.trim().parse()?;
+        if matches!(precision, Precision::Int8 | Precision::Fp8) {
+            let mut model = dense.clone();
+            quantize_dense(&mut model, precision, |name| name != "lm_head")?;
+            report(format!("dense {precision}"), &model);
+        }
+    }
     let norms = match &calib {
         Some(batch) if methods.contains(&"wanda") => dense.input_norms(batch.clone()),
         _ => Default::default(),
