@@ -186,7 +186,7 @@ pub(crate) fn decode_graph_ms<B: SlideSparseBackend>(
     let mut graph = match model.decode_graph(&decoder.cache) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("decode graph: not for this model: {e}");
+            eprintln!("decode graph: not for this model or batch: {e}");
             return None;
         }
     };

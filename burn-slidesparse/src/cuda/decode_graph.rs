@@ -39,7 +39,7 @@ use super::{
         QUANT_MAX_WIDTH, QUANT_THREADS, functions as step_functions,
     },
     driver::{create_stream, driver_err, synchronize},
-    gemv::{FLAG_PREFETCH, Gemv, GemvParams},
+    gemv::{FLAG_PREFETCH, Gemv, GemvParams, MAX_TOKENS},
     nvrtc_module::DeviceInfo,
     pipeline::GpuLayer,
     queued::{lanes, queue_task},
@@ -357,6 +357,17 @@ impl Engine {
     /// The engine of `model`: sizes checked, buffers allocated, nothing captured yet.
     pub fn new(model: StepModel) -> Result<Self> {
         let dims = dims_of(&model)?;
+        // Every linear of the step runs the decode GEMV: refuse a batch it cannot take here,
+        // not at the first step.
+        if dims.batch == 0 || dims.batch > MAX_TOKENS {
+            return Err(SlideSparseError::Unsupported {
+                what: "decode graph".into(),
+                why: format!(
+                    "a batch of {} sequences (its linears run the decode GEMV: 1 to {MAX_TOKENS} tokens)",
+                    dims.batch
+                ),
+            });
+        }
         let bf16 = sixteen_bit(&model)?;
         let client = model.embedding.client.clone();
         let index = model.embedding.device.index;
