@@ -14,8 +14,8 @@
 #include <cstdlib>
 #include <vector>
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "sparse_gemm_sm90.cu"  // -I burn-slidesparse/src/cuda/kernels: desc_sw128, the sparse n128 wrapper
+
 
 #define CK(x)                                                                                   \
     do {                                                                                        \
@@ -26,10 +26,8 @@ typedef unsigned long long u64;
         }                                                                                       \
     } while (0)
 
-// SW128 K-major descriptor, as sparse_gemm_sm90.cu's desc_sw128.
-__device__ __forceinline__ u64 desc_sw128(u32 saddr) {
-    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
+#if SPGEMM_HAS_WGMMA
+using spgemm::desc_sw128;
 
 __device__ __forceinline__ void dense_n128(int (&d)[64], u64 da, u64 db, u32) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
@@ -79,22 +77,9 @@ __device__ __forceinline__ void dense_n256(int (&d)[128], u64 da, u64 db, u32) {
                  : "l"(da), "l"(db));
 }
 
+// The GEMM's own instruction wrapper.
 __device__ __forceinline__ void sparse_n128(int (&d)[64], u64 da, u64 db, u32 meta) {
-    asm volatile("wgmma.mma_async.sp.sync.aligned.m64n128k64.s32.s8.s8 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "%64, %65, %66, 0, 1;\n"
-                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-                   "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-                   "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-                   "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
-                   "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
-                   "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
-                   "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-                   "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
-                 : "l"(da), "l"(db), "r"(meta));
+    spgemm::wgmma_sp_m64n128k64(d, da, db, meta);
 }
 
 __device__ __forceinline__ void sparse_n256(int (&d)[128], u64 da, u64 db, u32 meta) {
@@ -150,10 +135,13 @@ struct Wgmma<256, true> {
     static __device__ __forceinline__ void mma(int (&d)[128], u64 a, u64 b, u32 e) { sparse_n256(d, a, b, e); }
 };
 
+#endif  // SPGEMM_HAS_WGMMA
+
 // Shared memory: A 64 rows x 128 B per warpgroup (the k-steps walk 32 B, as the GEMM), B N rows x
 // 128 B; zeros, metadata 0x44444444 (positions 0, 1 of every group: a legal value).
 template <int N, bool SPARSE>
 __global__ void __launch_bounds__(N == 256 ? 256 : 384, 1) peak(int* out, int iters) {
+#if SPGEMM_HAS_WGMMA
     using W = Wgmma<N, SPARSE>;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
@@ -178,11 +166,14 @@ __global__ void __launch_bounds__(N == 256 ? 256 : 384, 1) peak(int* out, int it
 #pragma unroll
     for (int i = 0; i < W::ACC; ++i) sum += d[i];
     if (sum == 12345) out[threadIdx.x] = sum;  // never (the operands are zero): keeps the loop
+#else
+    __trap();  // not built for sm_90a
+#endif
 }
 
 template <int N, bool SPARSE>
 static double tops(int warpgroups, int sms) {
-    using W = Wgmma<N, SPARSE>;
+    constexpr int kLogical = SPARSE ? 64 : 32;  // logical K of one wgmma
     const int smem = 4 * 8192 + N * 128 + 1024;
     auto k = peak<N, SPARSE>;
     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -206,7 +197,7 @@ static double tops(int warpgroups, int sms) {
     }
     std::sort(ms.begin(), ms.end());
     CK(cudaFree(out));
-    const double ops = 2.0 * 64 * N * W::K * 4.0 * iters * warpgroups * sms;
+    const double ops = 2.0 * 64 * N * kLogical * 4.0 * iters * warpgroups * sms;
     return ops / (ms[ms.size() / 2] * 1e-3) / 1e12;
 }
 

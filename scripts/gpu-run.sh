@@ -92,7 +92,7 @@ if [ "$what" = spgemm ]; then
   tail -3 "$OUT/spgemm.err"
   cat "$OUT/spgemm.md"
   # The instruction's own ceiling: dense and sparse wgmma from shared memory, no loads.
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a scripts/bench-wgmma-peak.cu -o /tmp/bench-wgmma-peak \
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I burn-slidesparse/src/cuda/kernels scripts/bench-wgmma-peak.cu -o /tmp/bench-wgmma-peak \
     > "$OUT/wgmma-peak.err" 2>&1 && /tmp/bench-wgmma-peak > "$OUT/wgmma-peak.md" 2>> "$OUT/wgmma-peak.err"
   echo "wgmma peak exit code: $?"
   tail -3 "$OUT/wgmma-peak.err"
