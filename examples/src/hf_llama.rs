@@ -458,9 +458,11 @@ fn rows_of<B: Backend>(
     ))
 }
 
-/// Writes `model` (dense layers) as a Hugging Face Qwen2-style checkpoint folder
-/// (`config.json` + f32 `model.safetensors`, Q/K rows and biases in the rotate-half layout):
-/// what [`load_hf_llama`] reads back to the same model.
+/// Writes `model` (dense layers) as a Hugging Face checkpoint folder (`config.json` + f32
+/// `model.safetensors`, Q/K rows and biases in the rotate-half layout): `model_type` `qwen2`
+/// when the config has q/k/v biases, `llama` when not, so that [`load_hf_llama`] reads back
+/// the same model. The head is always written (`tie_word_embeddings` false): a tied model
+/// reads back with an untied copy of the same values.
 pub fn write_hf_checkpoint<B: Backend>(
     model: &Llama<B>,
     config: &LlamaConfig,
@@ -542,7 +544,8 @@ pub fn write_hf_checkpoint<B: Backend>(
     let io = |path: PathBuf| move |e| SlideSparseError::io(&path, e);
     write_f32_safetensors(&dir.join("model.safetensors"), &tensors)?;
     let config_json = serde_json::json!({
-        "model_type": "qwen2", "vocab_size": config.vocab_size, "hidden_size": config.hidden,
+        "model_type": if config.qkv_bias { "qwen2" } else { "llama" },
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden,
         "intermediate_size": config.intermediate, "num_hidden_layers": config.layers,
         "num_attention_heads": config.heads, "num_key_value_heads": config.kv_heads,
         "rope_theta": config.rope_base, "rms_norm_eps": config.rms_eps,

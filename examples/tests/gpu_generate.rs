@@ -1,10 +1,10 @@
 //! The example model packed 6:8 INT8 once, on the CPU reference (Wanda calibration there, so
-//! the masks do not depend on the device), then run on the GPU with bf16 activations: the
-//! same logits as the CPU reference within bf16's tolerance, for the prompt and for decode
-//! steps through the model's forward and through the whole-step CUDA graph; the same greedy
-//! tokens wherever the top-2 logit gap exceeds the observed difference; and the graph's
-//! greedy text equal to the forward path's. On a small random Llama always, on SmolLM2 where
-//! an earlier `generate` run fetched it.
+//! the masks do not depend on the device), then run on the GPU with bf16 activations: logits
+//! as close to the CPU reference's as the reference's own move under bf16-sized changes,
+//! for the prompt and for decode steps through the model's forward and through the
+//! whole-step CUDA graph; the same greedy tokens wherever the top-2 logit gap exceeds the
+//! observed difference; and the graph's greedy text equal to the forward path's. On a small
+//! random Llama always, on SmolLM2 where an earlier `generate` run fetched it.
 //!
 //! Needs an NVIDIA GPU of compute capability 9.0 for the decode graph (`#[ignore]`d; run with
 //! `--ignored` on the GPU host).
@@ -17,8 +17,8 @@ use burn::{
     tensor::{Int, Tensor, TensorData, backend::Backend},
 };
 use burn_slidesparse::{
-    PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern, cuda::CudaDevice,
-    gguf::GgufFile, load_packed, prepare_all, sparsify_with,
+    MaybeSparseLinear, PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern,
+    cuda::CudaDevice, gguf::GgufFile, load_packed, prepare_all, sparsify_with,
 };
 use slidesparse_examples::{
     eval::{calibration_norms, calibration_text},
@@ -33,10 +33,21 @@ use slidesparse_examples::{
 
 type Cpu = NdArray;
 
-/// Relative L2 error of the GPU's logits against the CPU reference's that bf16 activations
-/// stay within: bf16 keeps 8 significant bits (0.4% per rounding), and the INT8 quantization
-/// of each linear's input, the same on both, dominates the rest.
-const TOLERANCE: f64 = 3e-2;
+/// The least relative L2 error of the GPU's logits against the CPU reference's that is
+/// accepted, and how many times the reference's own change under bf16 rounding
+/// ([`bf16_weights`]) the GPU may differ by.
+///
+/// Why a measured bound: per-token INT8 quantization makes the model's logits sensitive to
+/// small changes far beyond bf16's 2^-9 per rounding. A change of the input of a linear
+/// moves some inputs across a rounding boundary of their INT8 code, each a whole code step
+/// (1/127 of the token's absmax), and the next block's input changes by more than the last
+/// one's did; over SmolLM2's 30 blocks differences of 1e-6 (f32 summation order) and of
+/// 2^-9 (bf16) grow to the same few percent. The layers themselves are exact (the GPU tests
+/// compare each one with the reference on the same inputs), so the model-level check is
+/// against the reference's own sensitivity: its logits with the weights the GPU holds in
+/// bf16 rounded to bf16, against its logits in f32.
+const TOLERANCE_FLOOR: f64 = 3e-2;
+const TOLERANCE_FACTOR: f64 = 3.0;
 
 /// GPU 0 with bf16 as its default float dtype, set once before any tensor exists there.
 fn device() -> CudaDevice {
@@ -164,29 +175,54 @@ fn greedy(
     (tokens, logits)
 }
 
+/// `model` with the weights the GPU holds in bf16 (embedding, norms, dense head) rounded to
+/// bf16: a change of bf16's size, to measure how far the reference itself moves under one.
+fn bf16_weights(model: &Llama<Cpu>) -> Llama<Cpu> {
+    fn round<const D: usize>(t: Tensor<Cpu, D>) -> Tensor<Cpu, D> {
+        let (shape, device) = (t.shape(), t.device());
+        let v: Vec<f32> = host(t)
+            .into_iter()
+            .map(|x| half::bf16::from_f32(x).to_f32())
+            .collect();
+        Tensor::from_data(TensorData::new(v, shape), &device)
+    }
+    let mut m = model.clone();
+    m.embed.weight = m.embed.weight.map(round);
+    for b in &mut m.blocks {
+        b.attn_norm.gamma = b.attn_norm.gamma.clone().map(round);
+        b.mlp_norm.gamma = b.mlp_norm.gamma.clone().map(round);
+    }
+    m.norm.gamma = m.norm.gamma.map(round);
+    if let MaybeSparseLinear::Dense(head) = &mut m.lm_head {
+        head.weight = head.weight.clone().map(round);
+    }
+    m
+}
+
+/// The largest relative L2 error of `got` against `want`, position by position.
+fn worst(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| relative_l2(g, w))
+        .fold(0.0, f64::max)
+}
+
 /// The checks of the module docs on `models`; returns the greedy tokens of the CPU, the GPU's
-/// forward path and the GPU's graph path.
+/// forward path and the GPU's graph path. Every error is printed before any is asserted.
 fn check(models: &Models, prompt: &[u32], steps: usize) -> [Vec<u32>; 3] {
     let capacity = prompt.len() + steps + 1;
-    // The prompt, every position.
-    let (cpu, gpu) = (
-        prompt_logits(&models.cpu, prompt),
-        prompt_logits(&models.gpu, prompt),
-    );
-    let err = relative_l2(&gpu, &cpu);
-    println!(
-        "prompt logits ({} positions): relative L2 {err:.2e}",
-        prompt.len()
-    );
-    assert!(err < TOLERANCE, "prompt logits: relative L2 {err:.3e}");
-    let vocab = cpu.len() / prompt.len();
-    for (p, (g, c)) in gpu.chunks(vocab).zip(cpu.chunks(vocab)).enumerate() {
-        assert_same_greedy(&format!("prompt position {p}"), g, c);
-    }
-    // Decode steps, fed the reference's greedy tokens.
+    let vocab = models.cpu.embed.weight.dims()[0];
+    let split =
+        |logits: Vec<f32>| -> Vec<Vec<f32>> { logits.chunks(vocab).map(<[f32]>::to_vec).collect() };
+    // The prompt, every position; then decode steps, fed the reference's greedy tokens.
+    let rounded = bf16_weights(&models.cpu);
+    let cpu = split(prompt_logits(&models.cpu, prompt));
+    let cpu_rounded = split(prompt_logits(&rounded, prompt));
+    let gpu = split(prompt_logits(&models.gpu, prompt));
     let mut reference = Generator::new(&models.cpu, capacity, false);
     let (cpu_tokens, cpu_logits) = greedy(&mut reference, prompt, steps);
     let feed = &cpu_tokens[..steps - 1];
+    let rounded_logits = fed(&mut Generator::new(&rounded, capacity, false), prompt, feed);
     let mut forward = Generator::new(&models.gpu, capacity, false);
     let mut graph = Generator::new(&models.gpu, capacity, true);
     let forward_logits = fed(&mut forward, prompt, feed);
@@ -197,15 +233,34 @@ fn check(models: &Models, prompt: &[u32], steps: usize) -> [Vec<u32>; 3] {
         "{}",
         graph.path()
     );
-    for (path, logits) in [("forward", &forward_logits), ("graph", &graph_logits)] {
-        for (s, (g, c)) in logits.iter().zip(&cpu_logits).enumerate() {
-            let err = relative_l2(g, c);
-            println!("GPU {path}, step {s}: relative L2 {err:.2e} against the CPU");
-            assert!(
-                err < TOLERANCE,
-                "GPU {path}, step {s}: relative L2 {err:.3e}"
-            );
-            assert_same_greedy(&format!("GPU {path}, step {s}"), g, c);
+    let own = worst(&cpu_rounded, &cpu).max(worst(&rounded_logits, &cpu_logits));
+    let tolerance = TOLERANCE_FLOOR.max(TOLERANCE_FACTOR * own);
+    println!(
+        "the reference with bf16-rounded weights: relative L2 up to {own:.2e} (prompt {:.2e}); \
+         tolerance {tolerance:.2e}",
+        worst(&cpu_rounded, &cpu)
+    );
+    let runs = [
+        ("prompt", &gpu, &cpu),
+        ("forward steps", &forward_logits, &cpu_logits),
+        ("graph steps", &graph_logits, &cpu_logits),
+    ];
+    for (what, got, want) in runs {
+        let errs: Vec<String> = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| format!("{:.2e}", relative_l2(g, w)))
+            .collect();
+        println!("GPU {what}: relative L2 against the CPU {}", errs.join(" "));
+    }
+    for (what, got, want) in runs {
+        let err = worst(got, want);
+        assert!(
+            err < tolerance,
+            "GPU {what}: relative L2 {err:.3e} against the CPU, tolerance {tolerance:.3e}"
+        );
+        for (p, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_same_greedy(&format!("GPU {what}, position {p}"), g, w);
         }
     }
     // The graph kept across a new prefill (the cache written in place) replays the same.

@@ -344,6 +344,33 @@ fn write_hf_checkpoint(model: &Llama<B>, config: &LlamaConfig, dir: &std::path::
 }
 
 #[test]
+fn hf_checkpoint_of_a_llama_without_biases_reads_back_the_same_model() {
+    use slidesparse_examples::hf_llama::load_hf_llama;
+    let device = Default::default();
+    for tie in [true, false] {
+        let config = tiny_config().with_tie_embeddings(tie);
+        let model = config.init::<B>(&device);
+        let dir = tempfile::tempdir().unwrap();
+        write_hf_checkpoint(&model, &config, dir.path());
+        let json = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+        assert!(json.contains(r#""model_type":"llama""#), "{json}");
+        let mut loaded = load_hf_llama::<B>(dir.path(), 64, &device).unwrap();
+        for (name, layer) in loaded.blocks[0].linears_mut() {
+            let bias = &layer.dense().unwrap().bias;
+            assert!(bias.is_none(), "tied {tie}: {name} read back with a bias");
+        }
+        let ids = [3i64, 17, 42, 5, 63, 0, 9];
+        let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
+        let max = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-5, "tied {tie}: max logit difference {max}");
+    }
+}
+
+#[test]
 fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
     use slidesparse_examples::hf_llama::load_hf_llama;
     let device = Default::default();
