@@ -40,12 +40,12 @@ type Cpu = NdArray;
 /// Why a measured bound: per-token INT8 quantization makes the model's logits sensitive to
 /// small changes far beyond bf16's 2^-9 per rounding. A change of the input of a linear
 /// moves some inputs across a rounding boundary of their INT8 code, each a whole code step
-/// (1/127 of the token's absmax), and the next block's input changes by more than the last
-/// one's did; over SmolLM2's 30 blocks differences of 1e-6 (f32 summation order) and of
-/// 2^-9 (bf16) grow to the same few percent. The layers themselves are exact (the GPU tests
-/// compare each one with the reference on the same inputs), so the model-level check is
-/// against the reference's own sensitivity: its logits with the weights the GPU holds in
-/// bf16 rounded to bf16, against its logits in f32.
+/// (1/127 of the token's absmax), so the next block's input can change by more than the
+/// last one's did. On the H200 SmolLM2's prompt logits with bf16 activations were 8.8e-2
+/// (relative L2) from the f32 reference's, while every layer matches the reference on the
+/// same inputs (the GPU tests). So the model-level check is against the reference's own
+/// sensitivity: its logits with the weights the GPU holds in bf16 rounded to bf16, against
+/// its logits in f32.
 const TOLERANCE_FLOOR: f64 = 3e-2;
 const TOLERANCE_FACTOR: f64 = 3.0;
 
