@@ -27,6 +27,15 @@ fn tokens(ids: &[i64]) -> Tensor<B, 2, Int> {
     )
 }
 
+/// The largest `|a[i] - b[i]|`.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 fn logits(model: &Llama<B>, ids: &[i64]) -> Vec<f32> {
     model
         .forward(tokens(ids), &mut KvCache::default())
@@ -76,11 +85,7 @@ fn sparse_model_matches_the_pruned_dense_model() {
         assert_eq!(packed.len(), 14);
         let ids = [3, 17, 42, 5, 9];
         let (a, b) = (logits(&dense, &ids), logits(&sparse, &ids));
-        let err = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let err = max_abs_diff(&a, &b);
         assert!(err < 1e-4, "{pattern}: max |diff| {err}");
         // INT8 stays close (quantization error only).
         let mut q = dense.clone();
@@ -110,11 +115,7 @@ fn kv_cache_gives_the_same_logits_as_a_full_pass() {
     for (pos, got) in [(4, step), (5, last)] {
         let got: Vec<f32> = got.into_data().into_vec().unwrap();
         let want = &full[pos * v..(pos + 1) * v];
-        let err = got
-            .iter()
-            .zip(want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let err = max_abs_diff(&got, want);
         assert!(err < 1e-4, "position {pos}: {err}");
     }
 }
@@ -127,11 +128,7 @@ fn generator_steps_give_the_full_pass_logits_and_start_over() {
     let v = 64;
     let close = |got: Tensor<B, 2>, pos: usize| {
         let got: Vec<f32> = got.into_data().into_vec().unwrap();
-        let err = got
-            .iter()
-            .zip(&full[pos * v..(pos + 1) * v])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let err = max_abs_diff(&got, &full[pos * v..(pos + 1) * v]);
         assert!(err < 1e-4, "position {pos}: {err}");
     };
     // A graph asked for where none applies (the CPU backend): the forward, with the reason.
@@ -276,11 +273,7 @@ fn gguf_loader_reproduces_the_model_and_reports_missing_tensors() {
     let ids = [7, 8, 9];
     // The random model's head is its tied embedding, as the loader builds it.
     let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
-    let err = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
+    let err = max_abs_diff(&a, &b);
     assert!(err < 1e-5, "{err}");
     // A file without one block tensor is an error naming it.
     let mut renamed = bytes.clone();
@@ -361,11 +354,7 @@ fn hf_checkpoint_of_a_llama_without_biases_reads_back_the_same_model() {
         }
         let ids = [3i64, 17, 42, 5, 63, 0, 9];
         let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
-        let max = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let max = max_abs_diff(&a, &b);
         assert!(max < 1e-5, "tied {tie}: max logit difference {max}");
     }
 }
@@ -393,11 +382,7 @@ fn hf_loader_reproduces_a_qwen2_style_model_and_reports_bad_files() {
     let loaded = load_hf_llama::<B>(dir.path(), 64, &device).unwrap();
     let ids = [3i64, 17, 42, 5, 63, 0, 9];
     let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
-    let max = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
+    let max = max_abs_diff(&a, &b);
     assert!(max < 1e-5, "max logit difference {max}");
 
     // A missing tensor and a wrong shape are named.
@@ -605,11 +590,7 @@ fn hf_loader_reads_sharded_checkpoints_lazily_and_refuses_a_tensor_in_two_shards
             let loaded = result.unwrap();
             let (a, b) = (logits(&model, &ids), logits(&loaded, &ids));
             assert_eq!(a.len(), b.len());
-            let max = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let max = max_abs_diff(&a, &b);
             assert!(max < 1e-5, "max logit difference {max}");
         }
     }
@@ -658,11 +639,7 @@ fn fused_projections_give_the_logits_of_separate_ones() {
         let mut fused = separate.clone();
         fused.fuse_projections().unwrap();
         let (a, b) = (logits(&separate, &ids), logits(&fused, &ids));
-        let err = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let err = max_abs_diff(&a, &b);
         assert!(err < 1e-4, "{what}: max |diff| {err}");
         let mut names = Vec::new();
         fused
