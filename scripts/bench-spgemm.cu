@@ -24,6 +24,7 @@
 //    rows), then timed (CUDA events, median of 30) against cuBLASLt at K' and at K.
 // `--check-only` skips the timings (part 2 still checks).
 #include <cublasLt.h>
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
 #include <cuda_runtime.h>
 #include <omp.h>
 
@@ -90,6 +91,7 @@ struct Packed {
     int n_pad = 0, k_tiles = 0, lda = 0;
     std::vector<int8_t> a;    // [n_pad][lda]
     std::vector<uint32_t> e;  // [n_pad / 64][k_tiles][128][4]
+    std::vector<uint8_t> nib;  // [n_pad][k_tiles * 64]: the metadata nibble of every group of 4
 };
 
 // Compresses the 2:4 INT8 matrix w [n][kp] (row-major, kp a multiple of 16). Per group of 4: the
@@ -103,7 +105,8 @@ static bool pack24(const std::vector<int8_t>& w, int n, int kp, int emap, Packed
     out.lda = out.k_tiles * 128;
     const int groups = out.k_tiles * 64;  // groups of 4 in a padded row
     out.a.assign((size_t)out.n_pad * out.lda, 0);
-    std::vector<uint8_t> nib((size_t)out.n_pad * groups, 0x4);
+    std::vector<uint8_t>& nib = out.nib;
+    nib.assign((size_t)out.n_pad * groups, 0x4);
     long bad = -1;
 #pragma omp parallel for
     for (long r = 0; r < n; ++r) {
@@ -151,6 +154,29 @@ static bool pack24(const std::vector<int8_t>& w, int n, int kp, int emap, Packed
                 }
             }
     return true;
+}
+
+// The metadata words of the warp-specialized kernels for BK K' per stage (sparse_gemm_sm90.cu,
+// "Stage (c)"): [n_pad / 128][K'_pad / BK][2 consumers][128 threads][BK / 64], the thread map of
+// emap 0.
+static std::vector<uint32_t> pack_e_ws(const Packed& pk, int bk) {
+    const int kpad = pk.k_tiles * 256, kts = kpad / bk, ks = bk / 64, groups = kpad / 4;
+    std::vector<uint32_t> e((size_t)pk.n_pad / 128 * kts * 2 * 128 * ks);
+#pragma omp parallel for
+    for (long nb = 0; nb < pk.n_pad / 128; ++nb)
+        for (int kb = 0; kb < kts; ++kb)
+            for (int c = 0; c < 2; ++c)
+                for (int t = 0; t < 128; ++t) {
+                    const int warp = t >> 5, lane = t & 31;
+                    const long row = 64 * (2 * nb + c) + 16 * warp + (lane >> 2) + 8 * (lane & 1);
+                    for (int st = 0; st < ks; ++st) {
+                        const int g0 = (bk * kb + 64 * st + 32 * ((lane >> 1) & 1)) / 4;
+                        uint32_t word = 0;
+                        for (int i = 0; i < 8; ++i) word |= (uint32_t)pk.nib[(size_t)row * groups + g0 + i] << (4 * i);
+                        e[((((size_t)nb * kts + kb) * 2 + c) * 128 + t) * ks + st] = word;
+                    }
+                }
+    return e;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -387,6 +413,62 @@ static void gen_scales(int m, int n, uint64_t seed, std::vector<float>& sx, std:
     for (auto& v : bias) v = ((int)(r() % 2001) - 1000) / 1000.f;
 }
 
+// The warp-specialized kernels (sparse_gemm_sm90.cu, "Stage (c)").
+typedef void (*WsKernel)(const SpGemmWsParams);
+struct WsVariant {
+    const char* name;
+    WsKernel k;
+    int bn, bk;
+    bool bf16;
+    int smem;
+};
+static const WsVariant kWs[] = {
+    {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM},
+    {"ws n128 k256", spgemm_ws_n128_k256_i32, 128, 256, false, spgemm_ws::Cfg<128, 256>::SMEM},
+    {"ws n256 k128", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM},
+    {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM},
+};
+static const int kWsCount = sizeof(kWs) / sizeof(kWs[0]);
+static_assert(sizeof(SpTensorMap) == sizeof(CUtensorMap), "SpTensorMap is a CUtensorMap");
+
+typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                  const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
+static EncodeTiledFn encode_tiled() {
+    static EncodeTiledFn f = nullptr;
+    if (!f) {
+        void* fp = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fp, 12000, cudaEnableDefault, &q));
+        if (!fp || q != cudaDriverEntryPointSuccess) {
+            fprintf(stderr, "cuTensorMapEncodeTiled not found in the driver\n");
+            exit(1);
+        }
+        f = (EncodeTiledFn)fp;
+    }
+    return f;
+}
+// A 2-D u8 tensor map: `outer` rows of `inner` bytes, `row_bytes` apart; boxes of box_outer rows x
+// box_inner bytes; out-of-bounds elements read as zero.
+static void make_map(SpTensorMap* out, const void* base, uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
+                     uint32_t box_outer, CUtensorMapSwizzle sw) {
+    const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
+    const cuuint32_t box[2] = {box_inner, box_outer}, es[2] = {1, 1};
+    const CUresult r = encode_tiled()((CUtensorMap*)out, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void*)base, dims, strides, box, es,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "cuTensorMapEncodeTiled failed (%d): %llu x %llu, box %u x %u\n", (int)r, (unsigned long long)inner,
+                (unsigned long long)outer, box_inner, box_outer);
+        exit(1);
+    }
+}
+static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, int n_pad, cudaStream_t s) {
+    const dim3 grid((p.m + v.bn - 1) / v.bn, n_pad / 128);
+    v.k<<<grid, SPGEMM_WS_THREADS, v.smem, s>>>(p);
+}
+
 // Runs the three kernels on one problem and compares them with `ref` (INT32 [m][n]). Returns the
 // number of kernels that mismatched; `cells` gets "exact" or "MISMATCH" per kernel.
 struct Problem {
@@ -397,11 +479,22 @@ struct Problem {
     uint16_t* y16 = nullptr;
     int m = 0, n = 0, kp = 0;
     std::vector<float> hsx, hsw, hbias;
+    uint32_t *e128 = nullptr, *e256 = nullptr;  // the ws kernels' metadata for BK = 128, 256
+    void upload_ws(const Packed& pk) {
+        if (e128) cudaFree(e128);
+        if (e256) cudaFree(e256);
+        const std::vector<uint32_t> h128 = pack_e_ws(pk, 128), h256 = pack_e_ws(pk, 256);
+        CK(cudaMalloc(&e128, h128.size() * 4));
+        CK(cudaMemcpy(e128, h128.data(), h128.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&e256, h256.size() * 4));
+        CK(cudaMemcpy(e256, h256.data(), h256.size() * 4, cudaMemcpyHostToDevice));
+    }
     void setup(const Packed& pk, const std::vector<int8_t>& hx, int m_, int n_, int kp_, uint64_t seed) {
         m = m_;
         n = n_;
         kp = kp_;
         dw.upload(pk, n);
+        upload_ws(pk);
         CK(cudaMalloc(&x, hx.size()));
         CK(cudaMemcpy(x, hx.data(), hx.size(), cudaMemcpyHostToDevice));
         gen_scales(m, n, seed, hsx, hsw, hbias);
@@ -416,6 +509,9 @@ struct Problem {
     }
     void release() {
         dw.release();
+        cudaFree(e128);
+        cudaFree(e256);
+        e128 = e256 = nullptr;
         cudaFree(x);
         cudaFree(sx);
         cudaFree(sw);
@@ -424,6 +520,46 @@ struct Problem {
         cudaFree(y16);
     }
     SpGemmParams params(bool bf16) const { return make_params(dw, x, m, kp, sx, sw, bias, bf16 ? (void*)y16 : (void*)y32); }
+    // The ws kernels' parameters at the current m (the X' map depends on it).
+    SpGemmWsParams ws_params(const WsVariant& v) const {
+        SpGemmWsParams q{};
+        make_map(&q.ta, dw.a, dw.lda, dw.n_pad, dw.lda, v.bk / 2, 128,
+                 v.bk == 128 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
+        make_map(&q.tb, x, kp, m, kp, 128, v.bn, CU_TENSOR_MAP_SWIZZLE_128B);
+        q.e = (u64)(v.bk == 128 ? e128 : e256);
+        q.sx = (u64)sx;
+        q.sw = (u64)sw;
+        q.bias = (u64)bias;
+        q.y = (u64)(v.bf16 ? (void*)y16 : (void*)y32);
+        q.m = m;
+        q.n = n;
+        q.k = kp;
+        q.ldy = n;
+        q.k_tiles = dw.k_tiles * 256 / v.bk;
+        return q;
+    }
+    // Runs ws variant v and compares it with ref (INT32) or its bf16 rounding; returns mismatches.
+    long check_ws(const WsVariant& v, const char* tag, cudaStream_t s, const std::vector<int32_t>& ref,
+                  const std::vector<uint16_t>& want16) {
+        char what[160];
+        snprintf(what, sizeof what, "%s %s", tag, v.name);
+        if (v.bf16) {
+            CK(cudaMemset(y16, 0xff, (size_t)m * n * 2));
+        } else {
+            CK(cudaMemset(y32, 0x7f, (size_t)m * n * 4));
+        }
+        launch_ws(v, ws_params(v), dw.n_pad, s);
+        CK(cudaGetLastError());
+        CK(cudaStreamSynchronize(s));
+        if (v.bf16) {
+            std::vector<uint16_t> got((size_t)m * n);
+            CK(cudaMemcpy(got.data(), y16, got.size() * 2, cudaMemcpyDeviceToHost));
+            return compare(what, got.data(), want16.data(), m, n);
+        }
+        std::vector<int32_t> got((size_t)m * n);
+        CK(cudaMemcpy(got.data(), y32, got.size() * 4, cudaMemcpyDeviceToHost));
+        return compare(what, got.data(), ref.data(), m, n);
+    }
     // Runs kernel k (INT32 out) and returns the result.
     void run_i32(SpKernel k, cudaStream_t s, std::vector<int32_t>& got) {
         CK(cudaMemset(y32, 0x7f, (size_t)m * n * 4));
@@ -462,6 +598,11 @@ struct Problem {
         const long bad = compare(what, got16.data(), want16.data(), m, n);
         fails += bad != 0;
         cells += bad ? " MISMATCH |" : " exact |";
+        for (int i = 0; i < kWsCount; ++i) {
+            const long b = check_ws(kWs[i], tag, s, ref, want16);
+            fails += b != 0;
+            cells += b ? " MISMATCH |" : " exact |";
+        }
         return fails;
     }
 };
@@ -576,6 +717,13 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(spgemm_sm90_i32, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     CK(cudaFuncSetAttribute(spgemm_sm90_i32_serial, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     CK(cudaFuncSetAttribute(spgemm_sm90_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    for (int i = 0; i < kWsCount; ++i) {
+        CK(cudaFuncSetAttribute(kWs[i].k, cudaFuncAttributeMaxDynamicSharedMemorySize, kWs[i].smem));
+        cudaFuncAttributes fa;
+        CK(cudaFuncGetAttributes(&fa, kWs[i].k));
+        printf("%s: %d registers, %zu bytes local, %d bytes dynamic shared\n", kWs[i].name, fa.numRegs, (size_t)fa.localSizeBytes,
+               kWs[i].smem);
+    }
     {
         cudaFuncAttributes fa;
         CK(cudaFuncGetAttributes(&fa, spgemm_sm90_i32));
@@ -599,7 +747,11 @@ int main(int argc, char** argv) {
         {RAND01, 256, 256, 2048, 0}, {RAND24, 256, 256, 2048, 0}, {RANDSP, 192, 200, 400, 0}, {SLID68, 128, 64, 264, 0},
         {SLID68, 384, 300, 1024, 0},
     };
-    printf("\n| case | N x K' | M | i32 | i32 serial | bf16 | note |\n|---|---|---|---|---|---|---|\n");
+    printf("\n| case | N x K' | M | i32 | i32 serial | bf16 |");
+    for (int i = 0; i < kWsCount; ++i) printf(" %s |", kWs[i].name);
+    printf(" note |\n|---|---|---|---|---|---|");
+    for (int i = 0; i < kWsCount; ++i) printf("---|");
+    printf("---|\n");
     for (size_t ci = 0; ci < small.size(); ++ci) {
         const SmallCase& c = small[ci];
         const uint64_t seed = 100 + ci;
@@ -668,12 +820,16 @@ int main(int argc, char** argv) {
     };
     const std::vector<Shape> shapes = {
         {"llama qkv", 6144, 4096}, {"llama o", 4096, 4096}, {"llama gate_up", 28672, 4096}, {"llama down", 4096, 14336}};
-    const std::vector<int> ms = {1024, 4096};
-    const int mmax = 4096;
+    const std::vector<int> ms = {1024, 4096, 16384};
+    const int mmax = 16384;
     printf("\nTOPS count 2 M N K' for the sparse kernel and cuBLASLt at K', 2 M N K for cuBLASLt at K (K' = 1.5 K).\n"
            "Ideal ratios for 2:4 at K': dense K' / sparse = 2.0; dense K / sparse = 1.33.\n");
-    printf("\n| shape | N x K (K') | M | sparse us | TOPS | serial us | bf16 us | cuBLASLt K' us | TOPS | cuBLASLt K us | TOPS | "
-           "dense K' / sparse | dense K / sparse | check |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("\n| shape | N x K (K') | M | cp.async us |");
+    for (int i = 0; i < kWsCount; ++i) printf(" %s us |", kWs[i].name);
+    printf(" best i32 TOPS | cuBLASLt K' us | TOPS | cuBLASLt K us | TOPS | cp.async / best | dense K' / best | dense K / best | "
+           "check |\n|---|---|---|---|");
+    for (int i = 0; i < kWsCount; ++i) printf("---|");
+    printf("---|---|---|---|---|---|---|---|---|\n");
     for (size_t si = 0; si < shapes.size(); ++si) {
         const Shape& sh = shapes[si];
         const int n = sh.n, k = sh.k, kp = k / 8 * 12;
@@ -743,7 +899,7 @@ int main(int argc, char** argv) {
                 if (cells.find("MISMATCH") != std::string::npos) {
                     for (char& ch : cells)
                         if (ch == '|') ch = ',';
-                    check += " MISMATCH (i32, serial, bf16:" + cells + ")";
+                    check += " MISMATCH (per kernel, in the small table's column order:" + cells + ")";
                 } else {
                     check += " exact";
                 }
@@ -752,20 +908,24 @@ int main(int argc, char** argv) {
                 ++fails;
             }
             failures += fails;
-            float t_sp = 0, t_ser = 0, t_bf = 0, t_ltp = 0, t_lt0 = 0;
+            float t_sp = 0, t_ltp = 0, t_lt0 = 0, t_ws[kWsCount] = {}, t_best = 0;
             if (bench) {
-                const SpGemmParams p32 = pr.params(false), p16 = pr.params(true);
+                const SpGemmParams p32 = pr.params(false);
                 t_sp = time_us(s, [&] { launch_sp(spgemm_sm90_i32, p32, s); });
-                t_ser = time_us(s, [&] { launch_sp(spgemm_sm90_i32_serial, p32, s); });
-                t_bf = time_us(s, [&] { launch_sp(spgemm_sm90_bf16, p16, s); });
+                for (int i = 0; i < kWsCount; ++i) {
+                    const SpGemmWsParams q = pr.ws_params(kWs[i]);
+                    t_ws[i] = time_us(s, [&] { launch_ws(kWs[i], q, pr.dw.n_pad, s); });
+                    if (!kWs[i].bf16 && (t_best == 0 || t_ws[i] < t_best)) t_best = t_ws[i];
+                }
                 if (ltp.ok) t_ltp = time_us(s, [&] { ltp.run(lt, d_w24, pr.x, d_ref, ws, ws_bytes, s); });
                 if (lt0.ok) t_lt0 = time_us(s, [&] { lt0.run(lt, d_w68, d_x0, d_ref0, ws, ws_bytes, s); });
             }
             const double ops_p = 2.0 * m * n * kp, ops_0 = 2.0 * m * n * k;
-            printf("| %s | %d x %d (%d) | %d | %.1f | %.0f | %.1f | %.1f | %.1f | %.0f | %.1f | %.0f | %.2f | %.2f |%s |\n", sh.name, n,
-                   k, kp, m, t_sp, t_sp > 0 ? ops_p / t_sp / 1e6 : 0.0, t_ser, t_bf, t_ltp, t_ltp > 0 ? ops_p / t_ltp / 1e6 : 0.0,
-                   t_lt0, t_lt0 > 0 ? ops_0 / t_lt0 / 1e6 : 0.0, t_sp > 0 ? t_ltp / t_sp : 0.0, t_sp > 0 ? t_lt0 / t_sp : 0.0,
-                   check.c_str());
+            printf("| %s | %d x %d (%d) | %d | %.1f |", sh.name, n, k, kp, m, t_sp);
+            for (int i = 0; i < kWsCount; ++i) printf(" %.1f |", t_ws[i]);
+            printf(" %.0f | %.1f | %.0f | %.1f | %.0f | %.2f | %.2f | %.2f |%s |\n", t_best > 0 ? ops_p / t_best / 1e6 : 0.0, t_ltp,
+                   t_ltp > 0 ? ops_p / t_ltp / 1e6 : 0.0, t_lt0, t_lt0 > 0 ? ops_0 / t_lt0 / 1e6 : 0.0, t_best > 0 ? t_sp / t_best : 0.0,
+                   t_best > 0 ? t_ltp / t_best : 0.0, t_best > 0 ? t_lt0 / t_best : 0.0, check.c_str());
             fflush(stdout);
             ltp.destroy();
             lt0.destroy();
