@@ -592,7 +592,7 @@ __device__ __forceinline__ void consume(u32 base, u32 bars, int kt, int cw, int 
     const u32 sa = st + cw * 64 * (C::BK / 2), sb = st + C::A_BYTES;
     const u32 se = st + C::A_BYTES + C::B_BYTES + (cw * 128 + t128) * C::KSTEPS * 4;
     if constexpr (C::KSTEPS == 2) {
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e[0]), "=r"(e[C::KSTEPS - 1]) : "r"(se) : "memory");
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e[0]), "=r"(e[1]) : "r"(se) : "memory");
     } else {
         u32 v[4];
         spgemm::lds128(se, v);
