@@ -83,10 +83,11 @@ fi
 if [ "$what" = spgemm ]; then
   # The Hopper 2:4 sparse INT8 GEMM (burn-slidesparse/src/cuda/kernels/sparse_gemm_sm90.cu), built
   # with the host's nvcc: checked exactly against the CPU and cuBLASLt, timed against cuBLASLt's
-  # dense INT8 GEMM (extra args go to the binary, e.g. --check-only).
+  # dense INT8 GEMM (extra args go to the binary, e.g. --check-only). A kernel that waits forever on
+  # an mbarrier would hang the call: the binary gets SPGEMM_TIMEOUT_S seconds (default 300).
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -Xcompiler -fopenmp \
     -I burn-slidesparse/src/cuda/kernels scripts/bench-spgemm.cu -lcublasLt -o /tmp/bench-spgemm \
-    > "$OUT/spgemm.err" 2>&1 && /tmp/bench-spgemm "$@" > "$OUT/spgemm.md" 2>> "$OUT/spgemm.err"
+    > "$OUT/spgemm.err" 2>&1 && timeout "${SPGEMM_TIMEOUT_S:-300}" /tmp/bench-spgemm "$@" > "$OUT/spgemm.md" 2>> "$OUT/spgemm.err"
   echo "spgemm bench exit code: $?"
   grep -E "error|warning|registers|spill" "$OUT/spgemm.err" | head -20
   tail -3 "$OUT/spgemm.err"
