@@ -429,6 +429,13 @@ static const WsVariant kWs[] = {
     {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM},
 };
 static const int kWsCount = sizeof(kWs) / sizeof(kWs[0]);
+// Weight-row tiles per raster group (SpGemmWsParams::group): the timed default, the groups the
+// sweep times (n256 k128), and the uneven one every check also runs (3 does not divide the tile
+// counts of most cases, so the last group is short).
+static const int kDefaultGroup = 16;
+static const int kSweepGroups[] = {1, 4, 8, 16, 32};
+static const int kSweepCount = sizeof(kSweepGroups) / sizeof(kSweepGroups[0]);
+static const int kCheckGroups[] = {kDefaultGroup, 3};
 static_assert(sizeof(SpTensorMap) == sizeof(CUtensorMap), "SpTensorMap is a CUtensorMap");
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
@@ -464,8 +471,8 @@ static void make_map(SpTensorMap* out, const void* base, uint64_t inner, uint64_
         exit(1);
     }
 }
-static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, int n_pad, cudaStream_t s) {
-    const dim3 grid((p.m + v.bn - 1) / v.bn, n_pad / 128);
+static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, cudaStream_t s) {
+    const unsigned grid = (unsigned)((p.m + v.bn - 1) / v.bn) * (unsigned)p.n_tiles;
     v.k<<<grid, SPGEMM_WS_THREADS, v.smem, s>>>(p);
 }
 
@@ -536,19 +543,23 @@ struct Problem {
         q.k = kp;
         q.ldy = n;
         q.k_tiles = dw.k_tiles * 256 / v.bk;
+        q.n_tiles = dw.n_pad / 128;
+        q.group = kDefaultGroup;
         return q;
     }
     // Runs ws variant v and compares it with ref (INT32) or its bf16 rounding; returns mismatches.
-    long check_ws(const WsVariant& v, const char* tag, cudaStream_t s, const std::vector<int32_t>& ref,
+    long check_ws(const WsVariant& v, int group, const char* tag, cudaStream_t s, const std::vector<int32_t>& ref,
                   const std::vector<uint16_t>& want16) {
         char what[160];
-        snprintf(what, sizeof what, "%s %s", tag, v.name);
+        snprintf(what, sizeof what, "%s %s group %d", tag, v.name, group);
+        SpGemmWsParams q = ws_params(v);
+        q.group = group;
         if (v.bf16) {
             CK(cudaMemset(y16, 0xff, (size_t)m * n * 2));
         } else {
             CK(cudaMemset(y32, 0x7f, (size_t)m * n * 4));
         }
-        launch_ws(v, ws_params(v), dw.n_pad, s);
+        launch_ws(v, q, s);
         CK(cudaGetLastError());
         CK(cudaStreamSynchronize(s));
         if (v.bf16) {
@@ -599,7 +610,8 @@ struct Problem {
         fails += bad != 0;
         cells += bad ? " MISMATCH |" : " exact |";
         for (int i = 0; i < kWsCount; ++i) {
-            const long b = check_ws(kWs[i], tag, s, ref, want16);
+            long b = 0;
+            for (int g : kCheckGroups) b += check_ws(kWs[i], g, tag, s, ref, want16);
             fails += b != 0;
             cells += b ? " MISMATCH |" : " exact |";
         }
@@ -830,6 +842,7 @@ int main(int argc, char** argv) {
            "check |\n|---|---|---|---|");
     for (int i = 0; i < kWsCount; ++i) printf("---|");
     printf("---|---|---|---|---|---|---|---|---|\n");
+    std::string sweep;  // rows of the raster-group table, printed after this one
     for (size_t si = 0; si < shapes.size(); ++si) {
         const Shape& sh = shapes[si];
         const int n = sh.n, k = sh.k, kp = k / 8 * 12;
@@ -914,9 +927,19 @@ int main(int argc, char** argv) {
                 t_sp = time_us(s, [&] { launch_sp(spgemm_sm90_i32, p32, s); });
                 for (int i = 0; i < kWsCount; ++i) {
                     const SpGemmWsParams q = pr.ws_params(kWs[i]);
-                    t_ws[i] = time_us(s, [&] { launch_ws(kWs[i], q, pr.dw.n_pad, s); });
+                    t_ws[i] = time_us(s, [&] { launch_ws(kWs[i], q, s); });
                     if (!kWs[i].bf16 && (t_best == 0 || t_ws[i] < t_best)) t_best = t_ws[i];
                 }
+                char row[96];
+                snprintf(row, sizeof row, "| %s | %d |", sh.name, m);
+                sweep += row;
+                for (int g : kSweepGroups) {
+                    SpGemmWsParams q = pr.ws_params(kWs[2]);
+                    q.group = g;
+                    snprintf(row, sizeof row, " %.1f |", time_us(s, [&] { launch_ws(kWs[2], q, s); }));
+                    sweep += row;
+                }
+                sweep += "\n";
                 if (ltp.ok) t_ltp = time_us(s, [&] { ltp.run(lt, d_w24, pr.x, d_ref, ws, ws_bytes, s); });
                 if (lt0.ok) t_lt0 = time_us(s, [&] { lt0.run(lt, d_w68, d_x0, d_ref0, ws, ws_bytes, s); });
             }
@@ -936,6 +959,14 @@ int main(int argc, char** argv) {
         cudaFree(d_x0);
         cudaFree(d_ref);
         cudaFree(d_ref0);
+    }
+    if (!sweep.empty()) {
+        printf("\n%s (INT32 out), us by raster group (weight-row tiles side by side; 1 = token tiles fastest):\n\n| shape | M |",
+               kWs[2].name);
+        for (int g : kSweepGroups) printf(" G=%d |", g);
+        printf("\n|---|---|");
+        for (int i = 0; i < kSweepCount; ++i) printf("---|");
+        printf("\n%s", sweep.c_str());
     }
     cudaFree(ws);
     cublasLtDestroy(lt);

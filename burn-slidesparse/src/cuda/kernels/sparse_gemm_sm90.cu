@@ -478,6 +478,8 @@ struct __align__(64) SpGemmWsParams {
     int m, n, k;    // tokens, weight rows (unpadded), K' (valid columns of X')
     int ldy;
     int k_tiles;    // K'_pad / BK
+    int n_tiles;    // n_pad / 128
+    int group;      // weight-row tiles per raster group (>= 1), see spgemm_ws::tile_of
 };
 
 #define SPGEMM_WS_THREADS 384
@@ -558,6 +560,21 @@ __device__ __forceinline__ u64 desc_a(u32 saddr) {
 __device__ __forceinline__ void wgmma_sp(int (&d)[64], u64 da, u64 db, u32 e) { spgemm::wgmma_sp_m64n128k64(d, da, db, e); }
 __device__ __forceinline__ void wgmma_sp(int (&d)[128], u64 da, u64 db, u32 e) { spgemm::wgmma_sp_m64n256k64(d, da, db, e); }
 
+// The tile of this CTA (1-D grid of m_tiles x n_tiles CTAs): token offset m0 and weight-row tile nt.
+// CTAs run in blockIdx order, so the order decides what one wave of ~132 CTAs reads. Token tiles
+// fastest (a 2-D grid's order) makes a wave read every token tile of X' for one or two weight tiles:
+// once X' outgrows L2 (M = 16384, K' = 6144: 100 MB) every wave streams it from HBM again. Instead
+// `group` weight tiles run side by side (weight tile fastest), then the next token tiles: a wave
+// covers group x (132 / group) tiles, whose A and X' parts stay in L2 across the wave.
+template <int BN>
+__device__ __forceinline__ void tile_of(const SpGemmWsParams& p, int& m0, int& nt) {
+    const int m_tiles = (p.m + BN - 1) / BN, span = p.group * m_tiles;
+    const int first = (int)blockIdx.x / span * p.group, r = (int)blockIdx.x % span;
+    const int rows = min(p.group, p.n_tiles - first);
+    nt = first + r % rows;
+    m0 = r / rows * BN;
+}
+
 template <class C>
 __device__ __forceinline__ u32 full_bar(u32 bars, int s) { return bars + 8 * s; }
 template <class C>
@@ -567,8 +584,10 @@ __device__ __forceinline__ u32 empty_bar(u32 bars, int s) { return bars + 8 * (C
 // X' halves and the metadata words of K' tile kt into it.
 template <class C>
 __device__ __forceinline__ void produce(const SpGemmWsParams& p, u32 base, u32 bars) {
-    const int m0 = blockIdx.x * C::BN, n0 = blockIdx.y * 128;
-    const char* e = (const char*)p.e + (size_t)blockIdx.y * p.k_tiles * C::E_BYTES;
+    int m0, nt;
+    tile_of<C::BN>(p, m0, nt);
+    const int n0 = nt * 128;
+    const char* e = (const char*)p.e + (size_t)nt * p.k_tiles * C::E_BYTES;
     for (int kt = 0; kt < p.k_tiles; ++kt) {
         const int s = kt % C::STAGES;
         mbar_wait(empty_bar<C>(bars, s), ((kt / C::STAGES) & 1) ^ 1);
@@ -663,8 +682,10 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
 
     // Epilogue from the accumulators, as spgemm::run's [CUTE-C].
     const int warp = (tid >> 5) & 3, lane = tid & 31;
-    const int nrow = blockIdx.y * 128 + cw * 64 + warp * 16 + (lane >> 2);
-    const int tcol = blockIdx.x * BN + 2 * (lane & 3);
+    int m0, nt;
+    tile_of<BN>(p, m0, nt);
+    const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
+    const int tcol = m0 + 2 * (lane & 3);
     SpGemmParams q{};
     q.sx = p.sx;
     q.sw = p.sw;
@@ -685,7 +706,7 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
 
 }  // namespace spgemm_ws
 
-// grid (ceil(m / BN), n_pad / 128), SPGEMM_WS_THREADS threads, spgemm_ws::Cfg<BN, BK>::SMEM bytes of
+// grid ceil(m / BN) * n_pad / 128 (1-D), SPGEMM_WS_THREADS threads, spgemm_ws::Cfg<BN, BK>::SMEM bytes of
 // dynamic shared memory.
 #define SPGEMM_WS_KERNEL(NAME, BN, BK, OUT)                                                                  \
     extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1) NAME(const __grid_constant__ SpGemmWsParams p) { \
@@ -714,8 +735,14 @@ SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_bf16, 256, 128, 1)
 // Performance is not tuned: no TMA, no producer warp, no setmaxnreg, 1 CTA per SM, a barrier per
 // K' tile, a direct (uncoalesced) epilogue, n128 tiles, no persistent/rasterized schedule.
 //
-// The warp-specialized kernels (`spgemm_ws_*`, "Stage (c)" above) compile with nvcc 13.0 for
-// sm_90a without spills (168 registers at launch, setmaxnreg 40 / 232) and with NVRTC for every
-// target (sm_80 .. sm_120, sm_90a), but have NOT run on a GPU yet: the TMA boxes, the SWIZZLE_64B
-// descriptor of the BK = 128 A tile, the mbarrier phases and the fully out-of-bounds X' boxes
-// (BK = 256 with K' % 256 <= 128) are what `gpu-run.sh spgemm` checks first.
+// The warp-specialized kernels (`spgemm_ws_*`, "Stage (c)" above), 168 registers at launch
+// (setmaxnreg 40 / 232), no spills; NVRTC compiles them for every target (sm_80 .. sm_120,
+// sm_90a). Exact on their first run (H100, 2026-12-05, docs/runs/2026-12-05-h100-spgemm.md):
+// every small case and every Llama 6:8 shape at M = 1024 / 4096 / 16384, so the TMA boxes, the
+// SWIZZLE_64B descriptor of the BK = 128 A tile, the mbarrier phases and the fully out-of-bounds
+// X' boxes hold. Speed then, with a 2-D grid (token tiles fastest), best variant n256 k128:
+// 1509-2320 TOPS at M = 1024 (1.07-1.62x cuBLASLt dense at K'), 1357-1482 at 4096 (0.98-1.12x),
+// 711-779 at 16384 (0.48-0.55x). The 1-D raster order of tile_of (weight tiles in groups, so a
+// wave's share of X' stays in L2) answers the M = 16384 collapse and is not yet measured; what
+// is left beyond it: the epilogue overlapped with the next tile (persistent CTAs), TMA multicast
+// of the X' tile across a cluster (halves its L2 reads), FP8.
