@@ -436,6 +436,11 @@ static const int kDefaultGroup = 16;
 static const int kSweepGroups[] = {1, 4, 8, 16, 32};
 static const int kSweepCount = sizeof(kSweepGroups) / sizeof(kSweepGroups[0]);
 static const int kCheckGroups[] = {kDefaultGroup, 3};
+static const int kProfileGroups[] = {1, kDefaultGroup};
+// cuda_profiler_api.h's two calls (libcudart exports them), declared here so that the harness
+// builds where the toolkit's headers are the pip packages', which lack that header.
+extern "C" cudaError_t cudaProfilerStart(void);
+extern "C" cudaError_t cudaProfilerStop(void);
 static_assert(sizeof(SpTensorMap) == sizeof(CUtensorMap), "SpTensorMap is a CUtensorMap");
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
@@ -719,9 +724,14 @@ struct SmallCase {
 };
 
 int main(int argc, char** argv) {
-    bool bench = true;
-    for (int i = 1; i < argc; ++i)
+    // --check-only: the checks alone. --profile: the checks, then each Llama shape's ws n256 k128
+    // kernel launched once per raster group in kProfileGroups between cudaProfilerStart / Stop, for
+    // `ncu --profile-from-start off` (gpu-run.sh spgemm-profile); nothing is timed.
+    bool bench = true, profile = false;
+    for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--check-only")) bench = false;
+        if (!strcmp(argv[i], "--profile")) bench = false, profile = true;
+    }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("device: %s, %d SMs, sm_%d%d, %zu bytes of shared memory per block (opt-in)\n", prop.name, prop.multiProcessorCount,
@@ -921,6 +931,16 @@ int main(int argc, char** argv) {
                 ++fails;
             }
             failures += fails;
+            if (profile) {
+                CK(cudaProfilerStart());
+                for (int g : kProfileGroups) {
+                    SpGemmWsParams q = pr.ws_params(kWs[2]);
+                    q.group = g;
+                    launch_ws(kWs[2], q, s);
+                }
+                CK(cudaStreamSynchronize(s));
+                CK(cudaProfilerStop());
+            }
             float t_sp = 0, t_ltp = 0, t_lt0 = 0, t_ws[kWsCount] = {}, t_best = 0;
             if (bench) {
                 const SpGemmParams p32 = pr.params(false);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|spgemm|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|spgemm|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
@@ -98,6 +98,25 @@ if [ "$what" = spgemm ]; then
   echo "wgmma peak exit code: $?"
   tail -3 "$OUT/wgmma-peak.err"
   cat "$OUT/wgmma-peak.md"
+fi
+if [ "$what" = spgemm-profile ]; then
+  # Nsight Compute on the ws n256 k128 sparse GEMM: every Llama 6:8 shape at M = 1024 / 4096 / 16384,
+  # raster group 1 (token tiles fastest) and 16, after the usual checks. Sections: throughput of
+  # SM / memory / L2 / DRAM, the memory chart, warp stalls, occupancy; the CSV keeps every metric.
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -Xcompiler -fopenmp \
+    -I burn-slidesparse/src/cuda/kernels scripts/bench-spgemm.cu -lcublasLt -o /tmp/bench-spgemm \
+    > "$OUT/spgemm-profile.err" 2>&1
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout "${SPGEMM_TIMEOUT_S:-500}" "$ncu" --profile-from-start off --clock-control none \
+    --kernel-name regex:spgemm_ws --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats -o "$OUT/spgemm" \
+    /tmp/bench-spgemm --profile "$@" > "$OUT/spgemm-profile.md" 2>> "$OUT/spgemm-profile.err"
+  echo "spgemm profile exit code: $?"
+  "$ncu" --import "$OUT/spgemm.ncu-rep" --page raw --csv > "$OUT/spgemm-profile.csv" 2>> "$OUT/spgemm-profile.err"
+  "$ncu" --import "$OUT/spgemm.ncu-rep" --page details > "$OUT/spgemm-profile-details.txt" 2>> "$OUT/spgemm-profile.err"
+  grep -E "spgemm_ws|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate" \
+    "$OUT/spgemm-profile-details.txt" | head -150
+  tail -3 "$OUT/spgemm-profile.err"
 fi
 if [ "$what" = profile ]; then
   ncu --profile-from-start off --clock-control none --cache-control none \
