@@ -29,6 +29,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -421,13 +423,17 @@ struct WsVariant {
     int bn, bk;
     bool bf16;
     int smem;
+    int cluster;  // CTAs per cluster sharing the X' tile (1: no cluster)
 };
 static const WsVariant kWs[] = {
-    {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM},
-    {"ws n128 k256", spgemm_ws_n128_k256_i32, 128, 256, false, spgemm_ws::Cfg<128, 256>::SMEM},
-    {"ws n256 k128", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM},
-    {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM},
+    {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1},
+    {"ws n128 k256", spgemm_ws_n128_k256_i32, 128, 256, false, spgemm_ws::Cfg<128, 256>::SMEM, 1},
+    {"ws n256 k128", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1},
+    {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM, 1},
+    {"ws n256 k128 mc2", spgemm_ws_n256_k128_i32_mc2, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 2},
 };
+// The variants the raster-group sweep times: n256 k128 without and with the X' multicast.
+static const int kSweepVariants[] = {2, 4};
 static const int kWsCount = sizeof(kWs) / sizeof(kWs[0]);
 // Weight-row tiles per raster group (SpGemmWsParams::group): the timed default, the groups the
 // sweep times (n256 k128), and the uneven one every check also runs (3 does not divide the tile
@@ -476,9 +482,46 @@ static void make_map(SpTensorMap* out, const void* base, uint64_t inner, uint64_
         exit(1);
     }
 }
+// --no-cluster: the variants with cluster > 1 are neither checked nor timed (gpu-run.sh reruns with
+// it when a cluster kernel hung).
+static bool g_no_cluster = false;
+static bool ws_enabled(const WsVariant& v) { return v.cluster == 1 || !g_no_cluster; }
+// Waits for `s`; a kernel still running after 20 s (an mbarrier wait that never completes) ends the
+// program with exit code 3, naming it, so that the rest of the run can be redone without it.
+static void wait_or_exit(cudaStream_t s, const char* what) {
+    const auto start = std::chrono::steady_clock::now();
+    cudaError_t e;
+    while ((e = cudaStreamQuery(s)) == cudaErrorNotReady) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::seconds(20)) {
+            printf("\nHUNG: %s did not finish in 20 s\n", what);
+            fprintf(stderr, "HUNG: %s did not finish in 20 s\n", what);
+            fflush(stdout);
+            exit(3);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    CK(e);
+}
 static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, cudaStream_t s) {
-    const unsigned grid = (unsigned)((p.m + v.bn - 1) / v.bn) * (unsigned)p.n_tiles;
-    v.k<<<grid, SPGEMM_WS_THREADS, v.smem, s>>>(p);
+    const unsigned n_tiles = (unsigned)((p.n_tiles + v.cluster - 1) / v.cluster * v.cluster);
+    const unsigned grid = (unsigned)((p.m + v.bn - 1) / v.bn) * n_tiles;
+    if (v.cluster == 1) {
+        v.k<<<grid, SPGEMM_WS_THREADS, v.smem, s>>>(p);
+        return;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(SPGEMM_WS_THREADS);
+    cfg.dynamicSmemBytes = (size_t)v.smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)v.cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, v.k, p));
 }
 
 // Runs the three kernels on one problem and compares them with `ref` (INT32 [m][n]). Returns the
@@ -492,6 +535,7 @@ struct Problem {
     int m = 0, n = 0, kp = 0;
     std::vector<float> hsx, hsw, hbias;
     uint32_t *e128 = nullptr, *e256 = nullptr;  // the ws kernels' metadata for BK = 128, 256
+    bool ws_ok[kWsCount] = {};                   // per ws variant: exact in the last check_all (only those are timed)
     void upload_ws(const Packed& pk) {
         if (e128) cudaFree(e128);
         if (e256) cudaFree(e256);
@@ -537,7 +581,7 @@ struct Problem {
         SpGemmWsParams q{};
         make_map(&q.ta, dw.a, dw.lda, dw.n_pad, dw.lda, v.bk / 2, 128,
                  v.bk == 128 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
-        make_map(&q.tb, x, kp, m, kp, 128, v.bn, CU_TENSOR_MAP_SWIZZLE_128B);
+        make_map(&q.tb, x, kp, m, kp, 128, v.bn / v.cluster, CU_TENSOR_MAP_SWIZZLE_128B);
         q.e = (u64)(v.bk == 128 ? e128 : e256);
         q.sx = (u64)sx;
         q.sw = (u64)sw;
@@ -566,7 +610,7 @@ struct Problem {
         }
         launch_ws(v, q, s);
         CK(cudaGetLastError());
-        CK(cudaStreamSynchronize(s));
+        wait_or_exit(s, what);
         if (v.bf16) {
             std::vector<uint16_t> got((size_t)m * n);
             CK(cudaMemcpy(got.data(), y16, got.size() * 2, cudaMemcpyDeviceToHost));
@@ -615,8 +659,14 @@ struct Problem {
         fails += bad != 0;
         cells += bad ? " MISMATCH |" : " exact |";
         for (int i = 0; i < kWsCount; ++i) {
+            ws_ok[i] = false;
+            if (!ws_enabled(kWs[i])) {
+                cells += " skipped |";
+                continue;
+            }
             long b = 0;
             for (int g : kCheckGroups) b += check_ws(kWs[i], g, tag, s, ref, want16);
+            ws_ok[i] = b == 0;
             fails += b != 0;
             cells += b ? " MISMATCH |" : " exact |";
         }
@@ -725,12 +775,13 @@ struct SmallCase {
 
 int main(int argc, char** argv) {
     // --check-only: the checks alone. --profile: the checks, then each Llama shape's ws n256 k128
-    // kernel launched once per raster group in kProfileGroups between cudaProfilerStart / Stop, for
+    // kernels (kSweepVariants) launched once per raster group in kProfileGroups between cudaProfilerStart / Stop, for
     // `ncu --profile-from-start off` (gpu-run.sh spgemm-profile); nothing is timed.
     bool bench = true, profile = false;
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--check-only")) bench = false;
         if (!strcmp(argv[i], "--profile")) bench = false, profile = true;
+        if (!strcmp(argv[i], "--no-cluster")) g_no_cluster = true;
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -933,11 +984,13 @@ int main(int argc, char** argv) {
             failures += fails;
             if (profile) {
                 CK(cudaProfilerStart());
-                for (int g : kProfileGroups) {
-                    SpGemmWsParams q = pr.ws_params(kWs[2]);
-                    q.group = g;
-                    launch_ws(kWs[2], q, s);
-                }
+                for (int vi : kSweepVariants)
+                    for (int g : kProfileGroups) {
+                        if (!pr.ws_ok[vi]) continue;
+                        SpGemmWsParams q = pr.ws_params(kWs[vi]);
+                        q.group = g;
+                        launch_ws(kWs[vi], q, s);
+                    }
                 CK(cudaStreamSynchronize(s));
                 CK(cudaProfilerStop());
             }
@@ -946,26 +999,35 @@ int main(int argc, char** argv) {
                 const SpGemmParams p32 = pr.params(false);
                 t_sp = time_us(s, [&] { launch_sp(spgemm_sm90_i32, p32, s); });
                 for (int i = 0; i < kWsCount; ++i) {
+                    if (!pr.ws_ok[i]) continue;
                     const SpGemmWsParams q = pr.ws_params(kWs[i]);
                     t_ws[i] = time_us(s, [&] { launch_ws(kWs[i], q, s); });
                     if (!kWs[i].bf16 && (t_best == 0 || t_ws[i] < t_best)) t_best = t_ws[i];
                 }
-                char row[96];
-                snprintf(row, sizeof row, "| %s | %d |", sh.name, m);
-                sweep += row;
-                for (int g : kSweepGroups) {
-                    SpGemmWsParams q = pr.ws_params(kWs[2]);
-                    q.group = g;
-                    snprintf(row, sizeof row, " %.1f |", time_us(s, [&] { launch_ws(kWs[2], q, s); }));
+                for (int vi : kSweepVariants) {
+                    if (!pr.ws_ok[vi]) continue;
+                    char row[96];
+                    snprintf(row, sizeof row, "| %s | %d | %s |", sh.name, m, kWs[vi].name);
                     sweep += row;
+                    for (int g : kSweepGroups) {
+                        SpGemmWsParams q = pr.ws_params(kWs[vi]);
+                        q.group = g;
+                        snprintf(row, sizeof row, " %.1f |", time_us(s, [&] { launch_ws(kWs[vi], q, s); }));
+                        sweep += row;
+                    }
+                    sweep += "\n";
                 }
-                sweep += "\n";
                 if (ltp.ok) t_ltp = time_us(s, [&] { ltp.run(lt, d_w24, pr.x, d_ref, ws, ws_bytes, s); });
                 if (lt0.ok) t_lt0 = time_us(s, [&] { lt0.run(lt, d_w68, d_x0, d_ref0, ws, ws_bytes, s); });
             }
             const double ops_p = 2.0 * m * n * kp, ops_0 = 2.0 * m * n * k;
             printf("| %s | %d x %d (%d) | %d | %.1f |", sh.name, n, k, kp, m, t_sp);
-            for (int i = 0; i < kWsCount; ++i) printf(" %.1f |", t_ws[i]);
+            for (int i = 0; i < kWsCount; ++i) {
+                if (t_ws[i] > 0)
+                    printf(" %.1f |", t_ws[i]);
+                else
+                    printf(" - |");
+            }
             printf(" %.0f | %.1f | %.0f | %.1f | %.0f | %.2f | %.2f | %.2f |%s |\n", t_best > 0 ? ops_p / t_best / 1e6 : 0.0, t_ltp,
                    t_ltp > 0 ? ops_p / t_ltp / 1e6 : 0.0, t_lt0, t_lt0 > 0 ? ops_0 / t_lt0 / 1e6 : 0.0, t_best > 0 ? t_sp / t_best : 0.0,
                    t_best > 0 ? t_ltp / t_best : 0.0, t_best > 0 ? t_lt0 / t_best : 0.0, check.c_str());
@@ -981,10 +1043,10 @@ int main(int argc, char** argv) {
         cudaFree(d_ref0);
     }
     if (!sweep.empty()) {
-        printf("\n%s (INT32 out), us by raster group (weight-row tiles side by side; 1 = token tiles fastest):\n\n| shape | M |",
-               kWs[2].name);
+        printf("\nus by raster group (weight-row tiles side by side; 1 = token tiles fastest; mc2 rounds G up to even):\n\n"
+               "| shape | M | kernel |");
         for (int g : kSweepGroups) printf(" G=%d |", g);
-        printf("\n|---|---|");
+        printf("\n|---|---|---|");
         for (int i = 0; i < kSweepCount; ++i) printf("---|");
         printf("\n%s", sweep.c_str());
     }

@@ -547,6 +547,37 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
                  : "memory");
 }
 
+// The TMA box of tma_2d, written into the shared memory of every CTA of the cluster in `mask` at
+// the same offset `dst`, each completing its bytes on its own barrier at offset `bar`.
+__device__ __forceinline__ void tma_2d_multicast(u32 dst, const SpTensorMap* map, u32 bar, int c0, int c1, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%4, %5}], "
+        "[%2], %3;\n" ::"r"(dst),
+        "l"(map), "r"(bar), "h"(mask), "r"(c0), "r"(c1)
+        : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Arrives once on the barrier at shared offset `bar` of CTA `rank` of the cluster (this one or a peer).
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 ra;\n"
+        "mapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n"
+        "}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+// Every thread of every CTA of the cluster (not per warp: the producer warpgroup arrives diverged).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // Descriptor of a K-major SWIZZLE_64B operand (rows of 64 bytes, 8-row groups 512 bytes apart):
 // layout type 2 in bits [62, 64) [CUTE-DESC].
 __device__ __forceinline__ u64 desc_sw64(u32 saddr) {
@@ -566,11 +597,17 @@ __device__ __forceinline__ void wgmma_sp(int (&d)[128], u64 da, u64 db, u32 e) {
 // once X' outgrows L2 (M = 16384, K' = 6144: 100 MB) every wave streams it from HBM again. Instead
 // `group` weight tiles run side by side (weight tile fastest), then the next token tiles: a wave
 // covers group x (132 / group) tiles, whose A and X' parts stay in L2 across the wave.
-template <int BN>
+//
+// With clusters of CL CTAs (CL = 2: the X' tile multicast, see produce), the tile counts and the
+// group are rounded up to multiples of CL, so the CL CTAs of a cluster (consecutive blockIdx) get
+// the same token tile and CL consecutive weight tiles. A weight tile past n_tiles (odd n_tiles) is a
+// phantom: it loads zeros for A (out of bounds of the A map), helps its peer with X', stores nothing.
+template <int BN, int CL>
 __device__ __forceinline__ void tile_of(const SpGemmWsParams& p, int& m0, int& nt) {
-    const int m_tiles = (p.m + BN - 1) / BN, span = p.group * m_tiles;
-    const int first = (int)blockIdx.x / span * p.group, r = (int)blockIdx.x % span;
-    const int rows = min(p.group, p.n_tiles - first);
+    const int m_tiles = (p.m + BN - 1) / BN, nt_all = (p.n_tiles + CL - 1) / CL * CL;
+    const int g = (p.group + CL - 1) / CL * CL, span = g * m_tiles;
+    const int first = (int)blockIdx.x / span * g, r = (int)blockIdx.x % span;
+    const int rows = min(g, nt_all - first);
     nt = first + r % rows;
     m0 = r / rows * BN;
 }
@@ -582,27 +619,41 @@ __device__ __forceinline__ u32 empty_bar(u32 bars, int s) { return bars + 8 * (C
 
 // The producer thread: stage after stage, waits for the consumers to free it, then loads A, the
 // X' halves and the metadata words of K' tile kt into it.
-template <class C>
+// With CL = 2 the two CTAs of a cluster share the token tile: each loads BN / 2 of its tokens and
+// multicasts them into both CTAs (half the X' reads from L2 per CTA), so a stage is free only
+// once the consumers of both CTAs have released it (the empty barriers count both).
+template <class C, int CL>
 __device__ __forceinline__ void produce(const SpGemmWsParams& p, u32 base, u32 bars) {
     int m0, nt;
-    tile_of<C::BN>(p, m0, nt);
+    tile_of<C::BN, CL>(p, m0, nt);
     const int n0 = nt * 128;
-    const char* e = (const char*)p.e + (size_t)nt * p.k_tiles * C::E_BYTES;
+    // A phantom tile reads the last real tile's words (any valid memory: its rows are not stored).
+    const char* e = (const char*)p.e + (size_t)min(nt, p.n_tiles - 1) * p.k_tiles * C::E_BYTES;
+    const int rank = CL > 1 ? (int)cluster_rank() : 0;
     for (int kt = 0; kt < p.k_tiles; ++kt) {
         const int s = kt % C::STAGES;
         mbar_wait(empty_bar<C>(bars, s), ((kt / C::STAGES) & 1) ^ 1);
         const u32 st = base + s * C::STAGE, full = full_bar<C>(bars, s);
+        // Every byte of the stage lands here, the peer's X' half included.
         mbar_expect_tx(full, C::STAGE);
         tma_2d(st, &p.ta, full, kt * (C::BK / 2), n0);
 #pragma unroll
-        for (int h = 0; h < C::BK / 128; ++h) tma_2d(st + C::A_BYTES + h * C::B_HALF, &p.tb, full, kt * C::BK + 128 * h, m0);
+        for (int h = 0; h < C::BK / 128; ++h) {
+            const u32 dst = st + C::A_BYTES + h * C::B_HALF;
+            if constexpr (CL == 1) {
+                tma_2d(dst, &p.tb, full, kt * C::BK + 128 * h, m0);
+            } else {
+                tma_2d_multicast(dst + rank * (C::B_HALF / CL), &p.tb, full, kt * C::BK + 128 * h, m0 + rank * (C::BN / CL),
+                                 (unsigned short)((1u << CL) - 1));
+            }
+        }
         bulk_copy(st + C::A_BYTES + C::B_BYTES, e + (size_t)kt * C::E_BYTES, C::E_BYTES, full);
     }
 }
 
 // One K' tile of a consumer warpgroup `cw` (see spgemm::tile_step for why the metadata words
 // alternate between two register sets `e` / `e_prev`).
-template <class C>
+template <class C, int CL>
 __device__ __forceinline__ void consume(u32 base, u32 bars, int kt, int cw, int t128, int (&acc)[C::ACC], u32 (&e)[C::KSTEPS],
                                         u32 (&e_prev)[C::KSTEPS], u32& sink) {
     const int s = kt % C::STAGES;
@@ -630,11 +681,20 @@ __device__ __forceinline__ void consume(u32 base, u32 bars, int kt, int cw, int 
     for (int i = 0; i < C::KSTEPS; ++i) spgemm::keep_reg(sink, e_prev[i]);
 #pragma unroll
     for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
-    if (kt > 0 && (t128 & 31) == 0) mbar_arrive(empty_bar<C>(bars, (kt - 1) % C::STAGES));
+    if (kt > 0 && (t128 & 31) == 0) {
+        const u32 bar = empty_bar<C>(bars, (kt - 1) % C::STAGES);
+        if constexpr (CL == 1) {
+            mbar_arrive(bar);
+        } else {
+            // The stage of both CTAs is free for this warp: both producers write into this CTA's copy.
+#pragma unroll
+            for (int r = 0; r < CL; ++r) mbar_arrive_cluster(bar, (u32)r);
+        }
+    }
 }
 #endif  // SPGEMM_HAS_WGMMA
 
-template <int BN, int BK, int OUT>
+template <int BN, int BK, int OUT, int CL>
 __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem) {
 #if SPGEMM_HAS_WGMMA
     using C = Cfg<BN, BK>;
@@ -644,17 +704,24 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
     if (tid == 0) {
         for (int s = 0; s < C::STAGES; ++s) {
             mbar_init(full_bar<C>(bars, s), 1);   // the producer's expect-tx arrival
-            mbar_init(empty_bar<C>(bars, s), 8);  // one arrival per consumer warp
+            mbar_init(empty_bar<C>(bars, s), 8 * CL);  // one arrival per consumer warp of each CTA
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    // With a cluster, the peer's barriers must be initialized before anything lands on them.
+    if constexpr (CL == 1) {
+        __syncthreads();
+    } else {
+        cluster_sync();
+    }
 
     if (wg == 0) {
         // The producer needs few registers; give them to the consumers (every warp of the
         // warpgroup must execute setmaxnreg).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (tid == 0) produce<C>(p, base, bars);
+        if (tid == 0) produce<C, CL>(p, base, bars);
+        // A CTA must outlive the peer's arrivals on its barriers: see the end of run.
+        if constexpr (CL > 1) cluster_sync();
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -667,8 +734,8 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
     for (int i = 0; i < C::KSTEPS; ++i) e0[i] = e1[i] = 0u;
     const int kts = p.k_tiles;
     for (int kt = 0; kt < kts; kt += 2) {
-        consume<C>(base, bars, kt, cw, t128, acc, e0, e1, sink);
-        if (kt + 1 < kts) consume<C>(base, bars, kt + 1, cw, t128, acc, e1, e0, sink);
+        consume<C, CL>(base, bars, kt, cw, t128, acc, e0, e1, sink);
+        if (kt + 1 < kts) consume<C, CL>(base, bars, kt + 1, cw, t128, acc, e1, e0, sink);
     }
     spgemm::wgmma_wait<0>();
 #pragma unroll
@@ -683,7 +750,7 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
     // Epilogue from the accumulators, as spgemm::run's [CUTE-C].
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     int m0, nt;
-    tile_of<BN>(p, m0, nt);
+    tile_of<BN, CL>(p, m0, nt);
     const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
     const int tcol = m0 + 2 * (lane & 3);
     SpGemmParams q{};
@@ -699,6 +766,9 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
             const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
             if (n < p.n && tok < p.m) spgemm::store_out<OUT>(q, tok, n, acc[4 * j + v]);
         }
+    // The peer's consumers arrive on this CTA's empty barriers until their main loop ends, and
+    // they reach this barrier only after it.
+    if constexpr (CL > 1) cluster_sync();
 #else
     __trap();  // not built for sm_90a
 #endif
@@ -706,18 +776,21 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
 
 }  // namespace spgemm_ws
 
-// grid ceil(m / BN) * n_pad / 128 (1-D), SPGEMM_WS_THREADS threads, spgemm_ws::Cfg<BN, BK>::SMEM bytes of
-// dynamic shared memory.
-#define SPGEMM_WS_KERNEL(NAME, BN, BK, OUT)                                                                  \
+// grid ceil(m / BN) * n_tiles (1-D; with CL = 2, n_tiles rounded up to even), SPGEMM_WS_THREADS
+// threads, spgemm_ws::Cfg<BN, BK>::SMEM bytes of dynamic shared memory; CL > 1: launched with a
+// cluster dimension of (CL, 1, 1) (a launch attribute: NVRTC's other targets know no cluster
+// attribute on the kernel), and the X' tensor map's box is {128, BN / CL}.
+#define SPGEMM_WS_KERNEL(NAME, BN, BK, OUT, CL)                                                              \
     extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1) NAME(const __grid_constant__ SpGemmWsParams p) { \
         extern __shared__ __align__(1024) unsigned char spgemm_smem[];                                       \
-        spgemm_ws::run<BN, BK, OUT>(p, spgemm_smem);                                                         \
+        spgemm_ws::run<BN, BK, OUT, CL>(p, spgemm_smem);                                                     \
     }
 
-SPGEMM_WS_KERNEL(spgemm_ws_n128_k128_i32, 128, 128, 0)
-SPGEMM_WS_KERNEL(spgemm_ws_n128_k256_i32, 128, 256, 0)
-SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32, 256, 128, 0)
-SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_bf16, 256, 128, 1)
+SPGEMM_WS_KERNEL(spgemm_ws_n128_k128_i32, 128, 128, 0, 1)
+SPGEMM_WS_KERNEL(spgemm_ws_n128_k256_i32, 128, 256, 0, 1)
+SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32, 256, 128, 0, 1)
+SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_bf16, 256, 128, 1, 1)
+SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32_mc2, 256, 128, 0, 2)
 
 // -------------------------------------------------------------------------------------------------
 // Status
@@ -743,6 +816,10 @@ SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_bf16, 256, 128, 1)
 // X' boxes hold. Speed then, with a 2-D grid (token tiles fastest), best variant n256 k128:
 // 1509-2320 TOPS at M = 1024 (1.07-1.62x cuBLASLt dense at K'), 1357-1482 at 4096 (0.98-1.12x),
 // 711-779 at 16384 (0.48-0.55x). The 1-D raster order of tile_of (weight tiles in groups, so a
-// wave's share of X' stays in L2) answers the M = 16384 collapse and is not yet measured; what
-// is left beyond it: the epilogue overlapped with the next tile (persistent CTAs), TMA multicast
-// of the X' tile across a cluster (halves its L2 reads), FP8.
+// wave's share of X' stays in L2) answers the M = 16384 collapse and is not yet measured.
+// `spgemm_ws_n256_k128_i32_mc2` (clusters of two CTAs on neighbouring weight tiles, each loading
+// half of the shared X' tile and multicasting it: X' is 32 of a stage's 41 KB, so the L2 reads per
+// CTA drop by 39%) compiles (no spills) and is not yet run: what a GPU settles first is the
+// multicast box and offsets, the remote empty-barrier arrivals and the phantom tile of an odd
+// n_tiles; `gpu-run.sh spgemm` reruns without it (`--no-cluster`) if it hangs. Left beyond: the
+// epilogue overlapped with the next tile (persistent CTAs), FP8.
