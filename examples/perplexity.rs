@@ -22,9 +22,9 @@ use burn::backend::NdArray;
 use std::collections::HashMap;
 
 use burn_slidesparse::{
-    ChannelPermutation, InputPermutation, PackOptions, PermutationSearch, Precision, PruneMethod,
-    SlideSparseBackend, SparseGptCalibration, SparsityPattern, gguf::GgufFile, quantize_dense,
-    sparsify_with,
+    ChannelPermutation, InputPermutation, KeptWeightGrid, PackOptions, PermutationSearch,
+    Precision, PruneMethod, SlideSparseBackend, SparseGptCalibration, SparsityPattern,
+    gguf::GgufFile, quantize_dense, sparsify_with,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -80,6 +80,11 @@ struct Args {
     /// SparseGPT: lazy-batch width in columns (rounded up to a multiple of the pattern's block).
     #[arg(long, default_value_t = SparseGptCalibration::DEFAULT_BLOCK_SIZE)]
     block_size: usize,
+    /// SparseGPT: `packed` rounds each kept weight to the INT8 / FP8 grid it is packed to during
+    /// the sweep and compensates the rounding like a dropped weight (joint sparsification and
+    /// quantization); `exact` leaves the kept weights real and lets the packer quantize them.
+    #[arg(long, default_value = "exact")]
+    sparsegpt_grid: String,
     /// `cpu` (NdArray, the reference path) or, with `--features cuda`, `cuda` (burn-cuda
     /// with fusion, f32 activations).
     #[arg(long, default_value = "cpu")]
@@ -422,11 +427,21 @@ fn prune_model<B: SlideSparseBackend>(
             wanda_score: args.sparsegpt_permutation_score == "wanda",
             summary: &mut summary,
         });
+        let grid = match (args.sparsegpt_grid.as_str(), job.precision) {
+            ("exact", _) => KeptWeightGrid::Exact,
+            ("packed", Precision::Int8) => KeptWeightGrid::Int8,
+            ("packed", Precision::Fp8) => KeptWeightGrid::Fp8,
+            ("packed", _) => KeptWeightGrid::Exact,
+            (other, _) => {
+                return Err(format!("--sparsegpt-grid {other:?}: expected exact or packed").into());
+            }
+        };
         let options = |_: &str, calibration| {
             job.options(
                 PruneMethod::SparseGpt(SparseGptCalibration {
                     damping: args.damping,
                     block_size: args.block_size,
+                    grid,
                     ..calibration
                 }),
                 ChannelPermutation::Identity,

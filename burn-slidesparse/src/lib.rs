@@ -92,7 +92,7 @@ pub use pattern::SparsityPattern;
 pub use permute::{
     ChannelPermutation, InputPermutation, PermutationOutcome, PermutationSearch, search_permutation,
 };
-pub use prune::{PruneMethod, SparseGptCalibration, check_pattern, prune};
+pub use prune::{KeptWeightGrid, PruneMethod, SparseGptCalibration, check_pattern, prune};
 pub use quantized_linear::QuantizedLinear;
 pub use reference::ReferencePrepared;
 pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};

@@ -10,11 +10,11 @@ use crate::{
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
     permute::{ChannelPermutation, InputPermutation},
-    prune::{self, PruneMethod},
+    prune::{self, KeptWeightGrid, PruneMethod},
     slide::{self, SlideElement, SlideFailure, UnslideError},
     weight_quant::{
-        Codec, Precision, QuantizedWeight, WeightCodes, map_codes, quantize_weight, row_scale,
-        with_codes,
+        Codec, Precision, QuantizedWeight, WeightCodes, map_codes, quantize_weight,
+        quantize_weight_with_scales, row_scale, with_codes,
     },
 };
 
@@ -51,9 +51,25 @@ impl PackOptions {
         }
     }
 
-    /// Checks the alignment against the precision.
+    /// Checks the alignment against the precision, and that a SparseGPT grid
+    /// ([`KeptWeightGrid`]) is the packed precision's.
     pub fn validate(&self) -> Result<()> {
-        check_alignment(self.alignment, self.precision)
+        check_alignment(self.alignment, self.precision)?;
+        if let PruneMethod::SparseGpt(c) = &self.prune {
+            let fits = match c.grid {
+                KeptWeightGrid::Exact => true,
+                KeptWeightGrid::Int8 => self.precision == Precision::Int8,
+                KeptWeightGrid::Fp8 => self.precision == Precision::Fp8,
+            };
+            if !fits {
+                return Err(SlideSparseError::Backend(format!(
+                    "SparseGPT rounds the kept weights to the {:?} grid, but the layer is packed \
+                     to {}: give SparseGptCalibration::grid the packed precision's grid, or Exact",
+                    c.grid, self.precision
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -590,7 +606,11 @@ fn pack_rows<T: Codec>(job: &RowJob<'_>) -> Result<PackedRows> {
         .map_init(scratch, |(pruned, back), (r, ((q, s), scale))| {
             let src = &job.weight[r * k..(r + 1) * k];
             job.pruner.prune_row(r, src, pruned, job.pattern);
-            *scale = qmax.map_or(1.0, |m| row_scale(pruned, m));
+            // A SparseGPT grid fixed the row's scale: its grid points are the codes.
+            *scale = job
+                .pruner
+                .row_scale(r)
+                .unwrap_or_else(|| qmax.map_or(1.0, |m| row_scale(pruned, m)));
             if !(scale.is_finite() && *scale > 0.0) {
                 // A row whose largest weight is subnormal: `max / qmax` underflows to 0.
                 let failure = Some((r, RowFailure::Scale(scale.to_bits())));
@@ -716,8 +736,9 @@ pub fn prune_and_quantize(
         options.pattern,
         &options.prune,
     )?;
+    options.validate()?;
     let (permuted_weight, method) = permuted(permutation.as_ref(), weight, &options.prune);
-    let pruned = prune::prune(
+    let pruner = prune::row_pruner(
         name,
         &permuted_weight,
         out_features,
@@ -725,16 +746,28 @@ pub fn prune_and_quantize(
         options.pattern,
         &method,
     )?;
+    // Row by row as pack_rows prunes, so that the two agree by construction.
+    let mut pruned = vec![0.0f32; permuted_weight.len()];
+    pruned
+        .par_chunks_mut(in_features.max(1))
+        .zip(permuted_weight.par_chunks(in_features.max(1)))
+        .enumerate()
+        .for_each(|(r, (dst, src))| pruner.prune_row(r, src, dst, options.pattern));
     let pruned = match &permutation {
         Some(p) => p.unpermute_columns(&pruned),
         None => pruned,
     };
-    Ok(quantize_weight(
-        &pruned,
-        out_features,
-        in_features,
-        options.precision,
-    ))
+    // Row scales are per row: a permutation of the columns leaves them as they are.
+    Ok(match pruner.scales() {
+        Some(scales) => quantize_weight_with_scales(
+            &pruned,
+            out_features,
+            in_features,
+            options.precision,
+            scales.to_vec(),
+        ),
+        None => quantize_weight(&pruned, out_features, in_features, options.precision),
+    })
 }
 
 fn slide_failure(

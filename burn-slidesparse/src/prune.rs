@@ -13,8 +13,8 @@ use crate::{
 
 mod sparsegpt;
 
-pub use sparsegpt::SparseGptCalibration;
 pub(crate) use sparsegpt::obs_column_factors;
+pub use sparsegpt::{KeptWeightGrid, SparseGptCalibration};
 
 /// How to choose the weights that survive in each block.
 #[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
@@ -117,6 +117,7 @@ pub fn prune(
             Some(norms) => prune_by_score(values, cols, pattern, |k, w| w.abs() * norms[k]),
         }),
         RowPruner::Matrix(pruned) => Ok(pruned.into_owned()),
+        RowPruner::Gridded { values, .. } => Ok(values),
     }
 }
 
@@ -131,6 +132,14 @@ pub(crate) enum RowPruner<'a> {
     /// The whole pruned matrix, computed up front (SparseGPT's column sweep couples a row's
     /// columns through the Hessian; `None` is the input itself, checked).
     Matrix(Cow<'a, [f32]>),
+    /// As `Matrix`, with every row on an 8-bit grid of its own scale (SparseGPT with a
+    /// [`KeptWeightGrid`]): the row must be quantized with that scale.
+    Gridded {
+        /// The pruned, rounded matrix.
+        values: Vec<f32>,
+        /// The scale of each row.
+        scales: Vec<f32>,
+    },
 }
 
 impl RowPruner<'_> {
@@ -150,6 +159,25 @@ impl RowPruner<'_> {
                 input_norms: Some(norms),
             } => prune_row_by_score(src, dst, pattern, |k, w| w.abs() * norms[k]),
             RowPruner::Matrix(m) => dst.copy_from_slice(&m[r * src.len()..(r + 1) * src.len()]),
+            RowPruner::Gridded { values, .. } => {
+                dst.copy_from_slice(&values[r * src.len()..(r + 1) * src.len()])
+            }
+        }
+    }
+
+    /// The scale row `r` must be quantized with, where the pruner fixed one.
+    pub(crate) fn row_scale(&self, r: usize) -> Option<f32> {
+        match self {
+            RowPruner::Gridded { scales, .. } => Some(scales[r]),
+            _ => None,
+        }
+    }
+
+    /// Every row's fixed scale, where the pruner fixed them.
+    pub(crate) fn scales(&self) -> Option<&[f32]> {
+        match self {
+            RowPruner::Gridded { scales, .. } => Some(scales),
+            _ => None,
         }
     }
 }
@@ -191,11 +219,17 @@ pub(crate) fn row_pruner<'a>(
             })
         }
         PruneMethod::SparseGpt(calibration) => {
-            let pruned =
-                sparsegpt::prune_sparsegpt(tensor, values, rows, cols, pattern, calibration)?;
+            let out = sparsegpt::prune_sparsegpt(tensor, values, rows, cols, pattern, calibration)?;
             // The pattern is the contract whatever the arithmetic did: checked, not assumed.
-            check_pattern(tensor, &pruned, rows, cols, pattern)?;
-            Ok(RowPruner::Matrix(Cow::Owned(pruned)))
+            check_pattern(tensor, &out.values, rows, cols, pattern)?;
+            Ok(if out.scales.is_empty() {
+                RowPruner::Matrix(Cow::Owned(out.values))
+            } else {
+                RowPruner::Gridded {
+                    values: out.values,
+                    scales: out.scales,
+                }
+            })
         }
     }
 }

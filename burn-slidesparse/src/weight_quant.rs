@@ -304,6 +304,23 @@ pub fn quantize_weight(
             .collect(),
         None => vec![1.0; rows],
     };
+    quantize_weight_with_scales(values, rows, cols, precision, scales)
+}
+
+/// [`quantize_weight`] with the row scales given (a SparseGPT grid fixed them), not taken
+/// from each row's maximum.
+pub(crate) fn quantize_weight_with_scales(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    precision: Precision,
+    scales: Vec<f32>,
+) -> QuantizedWeight {
+    assert_eq!(
+        scales.len(),
+        rows,
+        "quantize_weight_with_scales: one scale per row"
+    );
     let codes = match precision {
         Precision::Int8 => WeightCodes::I8(map_rows(values, cols, &scales, i8::encode)),
         Precision::Fp8 => WeightCodes::Fp8(map_rows(values, cols, &scales, u8::encode)),

@@ -15,6 +15,11 @@
 //! positive factor, and the damping is relative to the mean diagonal), so callers pass the
 //! Gram matrix `X^T X` summed over any number of tokens.
 //!
+//! With a [`KeptWeightGrid`] other than `Exact`, each kept weight is also rounded, when its
+//! column is reached, to the 8-bit grid the packer will quantize its row to, and its rounding
+//! error is propagated like a dropped weight's (SparseGPT's joint sparsification and
+//! quantization, the GPTQ rule): the columns to its right compensate the quantization too.
+//!
 //! All linear algebra is in f64; the rows are independent given `U` and run in parallel.
 
 use rayon::prelude::*;
@@ -22,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     error::{Result, SlideSparseError},
+    fp8,
     pattern::SparsityPattern,
 };
 
@@ -40,6 +46,66 @@ pub struct SparseGptCalibration {
     /// Lazy-batch width in columns, rounded up to a multiple of `2N`
     /// ([`Self::DEFAULT_BLOCK_SIZE`]: 128). The result does not depend on it up to rounding.
     pub block_size: usize,
+    /// Whether the kept weights are rounded to the packer's 8-bit grid during the sweep
+    /// ([`KeptWeightGrid::Exact`] by default: they are quantized afterwards, by the packer).
+    #[serde(default)]
+    pub grid: KeptWeightGrid,
+}
+
+/// The values SparseGPT leaves a kept weight at (see the module comment).
+///
+/// The grid of a row is the packer's per-row 8-bit quantization with the scale of the *dense*
+/// row (`s = max|w| / QMAX`; 1 for an all-zero row), fixed before the sweep (an update that
+/// pushes a weight past the grid's end is clamped there). The packer quantizes such a row with
+/// that same `s` (not with the pruned row's own maximum, which may be smaller), so the grid
+/// points are exactly its codes; the packed precision must be the grid's (checked by
+/// [`PackOptions::validate`](crate::PackOptions::validate)). [`prune`](crate::prune) returns
+/// the values alone: quantized again by [`QuantizedWeight::quantize`](crate::QuantizedWeight),
+/// a row whose maximum shrank gets its own finer scale.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KeptWeightGrid {
+    /// Kept weights take any value.
+    #[default]
+    Exact,
+    /// INT8: `clamp(round_half_even(w / s), -127, 127) * s`.
+    Int8,
+    /// FP8 E4M3: `e4m3_round_saturate(w / s) * s`, `s = max|w| / 448`.
+    Fp8,
+}
+
+impl KeptWeightGrid {
+    /// The largest code magnitude, `None` for [`Exact`](Self::Exact).
+    fn qmax(self) -> Option<f32> {
+        match self {
+            KeptWeightGrid::Exact => None,
+            KeptWeightGrid::Int8 => Some(127.0),
+            KeptWeightGrid::Fp8 => Some(fp8::E4M3_MAX),
+        }
+    }
+
+    /// The scale of each row of a row-major `[rows, cols]` weight, as the packer computes it
+    /// (`row_scale`); empty for [`Exact`](Self::Exact).
+    fn row_scales(self, values: &[f32], cols: usize) -> Vec<f32> {
+        let Some(qmax) = self.qmax() else {
+            return Vec::new();
+        };
+        values
+            .chunks(cols.max(1))
+            .map(|row| {
+                let absmax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                if absmax == 0.0 { 1.0 } else { absmax / qmax }
+            })
+            .collect()
+    }
+
+    /// `w` on the grid of scale `s`; `None` for [`Exact`](Self::Exact).
+    fn round(self, w: f64, s: f64) -> Option<f64> {
+        match self {
+            KeptWeightGrid::Exact => None,
+            KeptWeightGrid::Int8 => Some((w / s).round_ties_even().clamp(-127.0, 127.0) * s),
+            KeptWeightGrid::Fp8 => Some(fp8::round_to_e4m3((w / s) as f32) as f64 * s),
+        }
+    }
 }
 
 impl SparseGptCalibration {
@@ -54,6 +120,7 @@ impl SparseGptCalibration {
             gram,
             damping: Self::DEFAULT_DAMPING,
             block_size: Self::DEFAULT_BLOCK_SIZE,
+            grid: KeptWeightGrid::Exact,
         }
     }
 
@@ -86,6 +153,15 @@ impl SparseGptCalibration {
     }
 }
 
+/// What SparseGPT returns for one layer.
+pub(crate) struct SparseGptOutput {
+    /// The pruned (and, on a grid, rounded) row-major weight.
+    pub values: Vec<f32>,
+    /// The grid's scale of every row (empty for [`KeptWeightGrid::Exact`]): the scale the
+    /// packer must quantize the row with for the grid points to be its codes.
+    pub scales: Vec<f32>,
+}
+
 /// Prunes a row-major `[rows, cols]` weight to `pattern` with SparseGPT. `values` are
 /// assumed finite and of the right length (checked by the caller).
 pub(crate) fn prune_sparsegpt(
@@ -95,10 +171,15 @@ pub(crate) fn prune_sparsegpt(
     cols: usize,
     pattern: SparsityPattern,
     calibration: &SparseGptCalibration,
-) -> Result<Vec<f32>> {
+) -> Result<SparseGptOutput> {
     check_calibration(tensor, calibration, cols)?;
+    let grid = calibration.grid;
+    let scales = grid.row_scales(values, cols);
     if rows == 0 || cols == 0 {
-        return Ok(values.to_vec());
+        return Ok(SparseGptOutput {
+            values: values.to_vec(),
+            scales,
+        });
     }
     let (gram, damping, block_size) = (
         &calibration.gram,
@@ -110,9 +191,23 @@ pub(crate) fn prune_sparsegpt(
     let block = block_size.max(1).div_ceil(group) * group;
     let keep = pattern.nonzeros();
 
+    let sweep = Sweep {
+        cols,
+        u: &u,
+        group,
+        keep,
+        block,
+        grid,
+    };
     let mut out = values.to_vec();
     out.par_chunks_mut(ROWS_PER_TASK * cols)
-        .for_each(|chunk| prune_rows(chunk, cols, &u, group, keep, block));
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let first = i * ROWS_PER_TASK;
+            let rows = chunk.len() / cols;
+            let scales = scales.get(first..first + rows).unwrap_or(&[]);
+            prune_rows(chunk, &sweep, scales);
+        });
     if let Some(i) = out.iter().position(|v| !v.is_finite()) {
         return Err(SlideSparseError::NonFiniteWeight {
             tensor: format!("{tensor} (after the SparseGPT update)"),
@@ -121,7 +216,10 @@ pub(crate) fn prune_sparsegpt(
             value: out[i],
         });
     }
-    Ok(out)
+    Ok(SparseGptOutput {
+        values: out,
+        scales,
+    })
 }
 
 /// `1 / [H^-1]_jj` for every input column `j` (`H` the damped Hessian): the optimal brain
@@ -286,8 +384,30 @@ fn axpy(y: &mut [f64], alpha: f64, x: &[f64]) {
     }
 }
 
-/// SparseGPT on a chunk of whole rows (row-major, `cols` wide), in place.
-fn prune_rows(chunk: &mut [f32], cols: usize, u: &[f64], group: usize, keep: usize, block: usize) {
+/// What every chunk of rows of one layer shares.
+struct Sweep<'a> {
+    cols: usize,
+    /// The upper Cholesky factor of `H^-1`, row-major `[cols, cols]`.
+    u: &'a [f64],
+    /// The pattern's block length `2N` and the weights it keeps, `2N-2`.
+    group: usize,
+    keep: usize,
+    /// Lazy-batch width (a multiple of `group`).
+    block: usize,
+    grid: KeptWeightGrid,
+}
+
+/// SparseGPT on a chunk of whole rows (row-major, `cols` wide), in place; `scales` holds the
+/// grid scale of each row of the chunk (empty for [`KeptWeightGrid::Exact`]).
+fn prune_rows(chunk: &mut [f32], sweep: &Sweep<'_>, scales: &[f32]) {
+    let Sweep {
+        cols,
+        u,
+        group,
+        keep,
+        block,
+        grid,
+    } = *sweep;
     let rows = chunk.len() / cols;
     let mut w: Vec<f64> = chunk.iter().map(|&v| v as f64).collect();
     let mut pruned = vec![false; rows * cols];
@@ -317,12 +437,18 @@ fn prune_rows(chunk: &mut [f32], cols: usize, u: &[f64], group: usize, keep: usi
             let d = u[c * cols + c];
             let urow = &u[c * cols + c + 1..c * cols + i2];
             for r in 0..rows {
-                if !pruned[r * cols + c] {
-                    continue;
-                }
                 let row = &mut w[r * cols..(r + 1) * cols];
-                let e = row[c] / d;
-                row[c] = 0.0;
+                // Dropped: to 0. Kept: to its grid point, or left as is without a grid.
+                let target = if pruned[r * cols + c] {
+                    0.0
+                } else {
+                    match grid.round(row[c], scales.get(r).map_or(1.0, |&s| s as f64)) {
+                        Some(q) => q,
+                        None => continue,
+                    }
+                };
+                let e = (row[c] - target) / d;
+                row[c] = target;
                 err[r * block + (c - i1)] = e;
                 // Within the batch: update the columns right of c at once.
                 axpy(&mut row[c + 1..i2], e, urow);
