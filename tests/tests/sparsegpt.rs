@@ -202,13 +202,18 @@ fn grid_point(grid: KeptWeightGrid, w: f64, s: f64) -> Option<f64> {
     }
 }
 
-/// The grid's scale of a dense row: `max|w| / QMAX`, 1 for an all-zero row.
-fn grid_scale(grid: KeptWeightGrid, row: &[f32]) -> f64 {
-    let qmax = if grid == KeptWeightGrid::Fp8 {
+/// The grid's largest code magnitude, `QMAX`.
+fn grid_qmax(grid: KeptWeightGrid) -> f32 {
+    if grid == KeptWeightGrid::Fp8 {
         448.0
     } else {
         127.0
-    };
+    }
+}
+
+/// The grid's scale of a dense row: `max|w| / QMAX`, 1 for an all-zero row.
+fn grid_scale(grid: KeptWeightGrid, row: &[f32]) -> f64 {
+    let qmax = grid_qmax(grid);
     let absmax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if absmax == 0.0 {
         1.0
@@ -319,6 +324,17 @@ fn matches_the_textbook_obs_sequence_for_every_block_size() {
     }
 }
 
+/// A 64-aligned layer of `pattern` and `precision` pruned with `prune`, in the original order.
+fn pack_options(pattern: SparsityPattern, precision: Precision, prune: PruneMethod) -> PackOptions {
+    PackOptions {
+        pattern,
+        precision,
+        prune,
+        alignment: 64,
+        permutation: Default::default(),
+    }
+}
+
 /// `x [n, k]` full rank and correlated, with a few large channels, and `w [rows, k]`.
 fn correlated_layer(seed: u64, n: usize, k: usize, rows: usize) -> (Vec<f32>, Vec<f32>) {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -347,13 +363,7 @@ fn kept_weights_lie_on_the_grid_and_packing_keeps_them() {
             });
             let p = prune("w", &w, rows, k, pattern, &method).unwrap();
             check_pattern("w", &p, rows, k, pattern).unwrap();
-            let options = PackOptions {
-                pattern,
-                precision,
-                prune: method.clone(),
-                alignment: 64,
-                permutation: Default::default(),
-            };
+            let options = pack_options(pattern, precision, method.clone());
             let (_, packed, _) = pack_linear("w", &w, rows, k, None, &options).unwrap();
             let reference = prune_and_quantize("w", &w, rows, k, &options).unwrap();
             assert_eq!(packed, reference, "{pattern} {grid:?}");
@@ -371,11 +381,7 @@ fn kept_weights_lie_on_the_grid_and_packing_keeps_them() {
                 }
                 // The packer quantizes with the grid's scale, so its codes are the grid points,
                 // also in rows whose largest kept value is below the grid's end.
-                let qmax = if grid == KeptWeightGrid::Fp8 {
-                    448.0
-                } else {
-                    127.0
-                };
+                let qmax = grid_qmax(grid) as f64;
                 let absmax = row.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
                 same_scale += usize::from((absmax / s - qmax).abs() < 1e-6 * qmax);
                 for (j, (&v, &q)) in row.iter().zip(&packed[r * k..(r + 1) * k]).enumerate() {
@@ -411,13 +417,7 @@ fn rounding_during_the_sweep_lowers_the_packed_error_of_mild_patterns() {
                     grid,
                     ..calibration.clone()
                 });
-                let options = PackOptions {
-                    pattern,
-                    precision,
-                    prune: method,
-                    alignment: 64,
-                    permutation: Default::default(),
-                };
+                let options = pack_options(pattern, precision, method);
                 let (_, q, _) = pack_linear("w", &w, rows, k, None, &options).unwrap();
                 output_error(&x, &w, &q.dequantize(), n, rows, k)
             };
@@ -576,16 +576,11 @@ fn a_grid_of_another_precision_is_refused() {
         (KeptWeightGrid::Exact, Precision::Fp8, true),
         (KeptWeightGrid::Fp8, Precision::Fp8, true),
     ] {
-        let options = PackOptions {
-            pattern: SparsityPattern::P6_8,
-            precision,
-            prune: PruneMethod::SparseGpt(SparseGptCalibration {
-                grid,
-                ..SparseGptCalibration::from_inputs(&x, n, k).unwrap()
-            }),
-            alignment: 64,
-            permutation: Default::default(),
-        };
+        let method = PruneMethod::SparseGpt(SparseGptCalibration {
+            grid,
+            ..SparseGptCalibration::from_inputs(&x, n, k).unwrap()
+        });
+        let options = pack_options(SparsityPattern::P6_8, precision, method);
         let packed = pack_linear("w", &w, rows, k, None, &options);
         let reference = prune_and_quantize("w", &w, rows, k, &options);
         assert_eq!(packed.is_ok(), ok, "{grid:?} packed to {precision}");
