@@ -567,7 +567,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
         "{\n"
         ".reg .b32 ra;\n"
         "mapa.shared::cluster.u32 ra, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [ra];\n"
         "}\n" ::"r"(bar),
         "r"(rank)
         : "memory");
@@ -649,6 +649,28 @@ __device__ __forceinline__ void produce(const SpGemmWsParams& p, u32 base, u32 b
         }
         bulk_copy(st + C::A_BYTES + C::B_BYTES, e + (size_t)kt * C::E_BYTES, C::E_BYTES, full);
     }
+    if constexpr (CL > 1) {
+        // The peer's consumers arrive on this CTA's empty barriers up to their last tile: acquire
+        // every stage once more (each completes only when both CTAs' consumers released it), so this
+        // CTA outlives those arrivals. A cluster barrier here instead would park this thread's 31
+        // warp-mates in barrier.cluster.wait beside the producer loop.
+        for (int kt = p.k_tiles; kt < p.k_tiles + C::STAGES; ++kt)
+            mbar_wait(empty_bar<C>(bars, kt % C::STAGES), ((kt / C::STAGES) & 1) ^ 1);
+    }
+}
+
+// A consumer warp frees the stage of K' tile kt (its wgmma group has completed).
+template <class C, int CL>
+__device__ __forceinline__ void release(u32 bars, int kt, int t128) {
+    if ((t128 & 31) != 0) return;
+    const u32 bar = empty_bar<C>(bars, kt % C::STAGES);
+    if constexpr (CL == 1) {
+        mbar_arrive(bar);
+    } else {
+        // The stage of both CTAs is free for this warp: both producers write into this CTA's copy.
+#pragma unroll
+        for (int r = 0; r < CL; ++r) mbar_arrive_cluster(bar, (u32)r);
+    }
 }
 
 // One K' tile of a consumer warpgroup `cw` (see spgemm::tile_step for why the metadata words
@@ -681,16 +703,7 @@ __device__ __forceinline__ void consume(u32 base, u32 bars, int kt, int cw, int 
     for (int i = 0; i < C::KSTEPS; ++i) spgemm::keep_reg(sink, e_prev[i]);
 #pragma unroll
     for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
-    if (kt > 0 && (t128 & 31) == 0) {
-        const u32 bar = empty_bar<C>(bars, (kt - 1) % C::STAGES);
-        if constexpr (CL == 1) {
-            mbar_arrive(bar);
-        } else {
-            // The stage of both CTAs is free for this warp: both producers write into this CTA's copy.
-#pragma unroll
-            for (int r = 0; r < CL; ++r) mbar_arrive_cluster(bar, (u32)r);
-        }
-    }
+    if (kt > 0) release<C, CL>(bars, kt - 1, t128);
 }
 #endif  // SPGEMM_HAS_WGMMA
 
@@ -720,8 +733,6 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
         // warpgroup must execute setmaxnreg).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (tid == 0) produce<C, CL>(p, base, bars);
-        // A CTA must outlive the peer's arrivals on its barriers: see the end of run.
-        if constexpr (CL > 1) cluster_sync();
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -766,9 +777,10 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
             const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
             if (n < p.n && tok < p.m) spgemm::store_out<OUT>(q, tok, n, acc[4 * j + v]);
         }
-    // The peer's consumers arrive on this CTA's empty barriers until their main loop ends, and
-    // they reach this barrier only after it.
-    if constexpr (CL > 1) cluster_sync();
+    // The last stage too: a cluster's producers wait for every stage's release before exiting.
+    // (Released here, after the stores: released right after the last wgmma wait, ptxas serializes
+    // the main loop's wgmma, C7515.)
+    if constexpr (CL > 1) release<C, CL>(bars, kts - 1, t128);
 #else
     __trap();  // not built for sm_90a
 #endif
