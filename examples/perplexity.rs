@@ -13,10 +13,7 @@
 //! that share an input (q/k/v, o, gate/up, down of each block) in an input-channel order
 //! searched on the pruning criterion, folded into the packed layers' lift.
 
-use std::{
-    path::{Path, PathBuf},
-    time::Instant,
-};
+use std::{path::PathBuf, time::Instant};
 
 use burn::backend::NdArray;
 use std::collections::HashMap;
@@ -36,6 +33,7 @@ use slidesparse_examples::{
     fetch::smollm2_gguf,
     gguf_llama::load_llama,
     llama::Llama,
+    text_span::{TextSpan, calibration_ids},
     tokenizer::Tokenizer,
 };
 
@@ -105,53 +103,6 @@ struct Args {
     sparsegpt_permutation_score: String,
 }
 
-/// A token range of a text file.
-struct Span {
-    path: PathBuf,
-    start: usize,
-    ids: Vec<u32>,
-}
-
-impl Span {
-    /// `FILE` or `FILE@START`, tokenized, `count` tokens from `START` (fewer at the end).
-    fn load(spec: &str, count: usize, tok: &Tokenizer) -> Result<Self, Error> {
-        let (path, start) = match spec.rsplit_once('@') {
-            Some((p, s)) if s.parse::<usize>().is_ok() => (p, s.parse::<usize>()?),
-            _ => (spec, 0),
-        };
-        let path = PathBuf::from(path);
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let ids = tok.encode(&text)?;
-        if start >= ids.len() {
-            return Err(format!("{spec}: the text has only {} tokens", ids.len()).into());
-        }
-        let ids = ids[start..(start + count).min(ids.len())].to_vec();
-        Ok(Self { path, start, ids })
-    }
-
-    fn overlaps(&self, other: &Span) -> bool {
-        same_file(&self.path, &other.path)
-            && self.start < other.start + other.ids.len()
-            && other.start < self.start + self.ids.len()
-    }
-
-    fn name(&self) -> String {
-        let file = self.path.file_name().map_or_else(
-            || self.path.display().to_string(),
-            |f| f.to_string_lossy().into_owned(),
-        );
-        format!("{file}@{}", self.start)
-    }
-}
-
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
-    }
-}
-
 fn main() -> Result<(), Error> {
     let args = Args::parse();
     let path = smollm2_gguf(args.gguf.as_deref())?;
@@ -166,7 +117,7 @@ fn main() -> Result<(), Error> {
     let texts = args
         .text
         .iter()
-        .map(|spec| Span::load(spec, args.max_tokens, &tok))
+        .map(|spec| TextSpan::load(spec, args.max_tokens, &tok))
         .collect::<Result<Vec<_>, _>>()?;
     for t in &texts {
         println!(
@@ -207,43 +158,20 @@ fn evaluate<B: SlideSparseBackend>(
     args: &Args,
     file: &GgufFile,
     tok: &Tokenizer,
-    texts: &[Span],
+    texts: &[TextSpan],
     methods: &[&str],
 ) -> Result<(), Error> {
     let dense = load_llama::<B>(file, args.window.max(2048), &Default::default())?;
     let device = dense.embed.weight.device();
     let calibrated = methods.iter().any(|m| *m != "magnitude");
     let calib = if calibrated {
-        let mut ids = Vec::new();
-        for spec in &args.calibration {
-            let calib = Span::load(spec, args.calibration_tokens, tok)?;
-            if let Some(t) = texts.iter().find(|t| t.overlaps(&calib)) {
-                return Err(format!(
-                    "the calibration tokens {} overlap the evaluated tokens {}",
-                    calib.name(),
-                    t.name()
-                )
-                .into());
-            }
-            // Whole sequences of each text (one shorter sequence if the only one).
-            let seq = args.calibration_seq.min(calib.ids.len());
-            if args.calibration.len() > 1 && seq < args.calibration_seq {
-                return Err(format!(
-                    "calibration text {} has {} tokens, fewer than --calibration-seq {}",
-                    calib.name(),
-                    calib.ids.len(),
-                    args.calibration_seq
-                )
-                .into());
-            }
-            let used = calib.ids.len() / seq * seq;
-            println!(
-                "calibration: {used} tokens of {} from token {}",
-                calib.path.display(),
-                calib.start
-            );
-            ids.extend_from_slice(&calib.ids[..used]);
-        }
+        let ids = calibration_ids(
+            &args.calibration,
+            args.calibration_tokens,
+            args.calibration_seq,
+            texts,
+            tok,
+        )?;
         let batch = token_batch::<B>(&ids, args.calibration_seq, &device);
         let [n, seq] = batch.dims();
         println!("calibration batch: {n} x {seq} tokens");
@@ -326,7 +254,11 @@ fn evaluate<B: SlideSparseBackend>(
 
     println!(
         "\n| model | {} |\n|---|{}",
-        texts.iter().map(Span::name).collect::<Vec<_>>().join(" | "),
+        texts
+            .iter()
+            .map(TextSpan::name)
+            .collect::<Vec<_>>()
+            .join(" | "),
         "---|".repeat(texts.len())
     );
     for (name, ppls) in &rows {

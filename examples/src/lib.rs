@@ -13,6 +13,7 @@ pub mod llama;
 pub mod safetensors_io;
 pub mod sampling;
 pub mod tensor_parallel;
+pub mod text_span;
 pub mod tokenizer;
 pub mod train;
 

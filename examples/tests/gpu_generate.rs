@@ -292,7 +292,8 @@ fn check(models: &Models, prompt: &[u32], steps: usize) -> [Vec<u32>; 3] {
 fn random_llama_packed_on_the_cpu_matches_on_the_gpu() {
     // Head dim 64 (the attention kernels' and the graph's), two blocks; the bf16 head runs
     // after the graph.
-    let config = LlamaConfig::new(512, 256, 512, 2, 4, 2).with_max_seq_len(128);
+    // The rotary table covers the 256 calibration tokens, which run as one sequence.
+    let config = LlamaConfig::new(512, 256, 512, 2, 4, 2).with_max_seq_len(256);
     let dir = tempfile::tempdir().unwrap();
     // The same weights on both devices: written once, loaded by each (in its dtype).
     write_hf_checkpoint(
@@ -301,8 +302,8 @@ fn random_llama_packed_on_the_cpu_matches_on_the_gpu() {
         dir.path(),
     )
     .unwrap();
-    let cpu = load_hf_llama::<Cpu>(dir.path(), 128, &Default::default()).unwrap();
-    let gpu = load_hf_llama::<Gpu>(dir.path(), 128, &device()).unwrap();
+    let cpu = load_hf_llama::<Cpu>(dir.path(), 256, &Default::default()).unwrap();
+    let gpu = load_hf_llama::<Gpu>(dir.path(), 256, &device()).unwrap();
     let calibration: Vec<u32> = (0..256).map(|i| (i * 37 % 512) as u32).collect();
     let models = pack_once(cpu, gpu, &calibration);
     // 24 tokens: the prompt's linears run the sparse GEMM (over 16 tokens), the decode
