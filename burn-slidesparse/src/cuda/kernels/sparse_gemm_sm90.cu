@@ -822,16 +822,11 @@ SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32_mc2, 256, 128, 0, 2)
 //
 // The warp-specialized kernels (`spgemm_ws_*`, "Stage (c)" above), 168 registers at launch
 // (setmaxnreg 40 / 232), no spills; NVRTC compiles them for every target (sm_80 .. sm_120,
-// sm_90a). Exact on their first run (H100, 2026-12-05, docs/runs/2026-12-05-h100-spgemm.md):
-// every small case and every Llama 6:8 shape at M = 1024 / 4096 / 16384, so the TMA boxes, the
-// SWIZZLE_64B descriptor of the BK = 128 A tile, the mbarrier phases and the fully out-of-bounds
-// X' boxes hold. Speed then, with a 2-D grid (token tiles fastest), best variant n256 k128:
-// 1509-2320 TOPS at M = 1024 (1.07-1.62x cuBLASLt dense at K'), 1357-1482 at 4096 (0.98-1.12x),
-// 711-779 at 16384 (0.48-0.55x). The 1-D raster order of tile_of (weight tiles in groups, so a
-// wave's share of X' stays in L2) answers the M = 16384 collapse and is not yet measured.
-// `spgemm_ws_n256_k128_i32_mc2` (clusters of two CTAs on neighbouring weight tiles, each loading
-// half of the shared X' tile and multicasting it: X' is 32 of a stage's 41 KB, so the L2 reads per
-// CTA drop by 39%) compiles (no spills) and is not yet run: what a GPU settles first is the
-// multicast box and offsets, the remote empty-barrier arrivals and the phantom tile of an odd
-// n_tiles; `gpu-run.sh spgemm` reruns without it (`--no-cluster`) if it hangs. Left beyond: the
+// sm_90a). Exact on the H100 (docs/runs/2026-12-06-h100.md): every small case and every Llama
+// 6:8 shape at M = 1024 / 4096 / 16384, the cluster kernel `spgemm_ws_n256_k128_i32_mc2`
+// included (clusters of two CTAs on neighbouring weight tiles, each loading half of the shared X'
+// tile and multicasting it: X' is 32 of a stage's 41 KB, so the L2 reads per CTA drop by 39%).
+// With the raster order of tile_of (group 16), best of n256 k128 and mc2: 1430-2226 TOPS,
+// 1.17-1.74x cuBLASLt dense at K', 0.80-1.39x dense at K. Nsight Compute (H200) finds them bound by
+// neither compute nor memory at group 16 (SM 60-75%, L2 61-75%). Left: the
 // epilogue overlapped with the next tile (persistent CTAs), FP8.
