@@ -22,6 +22,13 @@
 // 2. Llama-3-8B layer shapes at 6:8 (K' = 1.5 K), M in {1024, 4096}: the sparse kernel checked
 //    against cuBLASLt's INT8 GEMM of the uncompressed W' (itself checked against the CPU on 64
 //    rows), then timed (CUDA events, median of 30) against cuBLASLt at K' and at K.
+// The persistent variants (`ws ... persistent`, `ws n128 k128 pingpong`: grid min(tiles, SMs),
+// the SM count from cudaGetDeviceProperties) are checked like the others at raster groups 16 and
+// 3, and once more with a grid of one CTA (group 3), which walks every tile of the problem
+// through one smem ring: the only multi-tile check on the small cases (1-9 tiles each).
+// The compact variants (`ws ... compact`) read the one-copy layout (kept codes and packed ranks,
+// built by `make_compact`, metadata expanded from the ranks in the kernel): 6:8 from W on slid68
+// and the Llama shapes, 2:4 from W' itself on the other small cases.
 // `--check-only` skips the timings (part 2 still checks).
 #include <cublasLt.h>
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
@@ -287,6 +294,66 @@ static void lift68(const std::vector<int8_t>& x, int m, int k, int kp, std::vect
         }
 }
 
+// The compact (2N-2):2N layout of a pruned W [n][k] (burn-slidesparse/src/compact.rs, written
+// again here so that the kernel is checked against an independent packer): per block of 2N its
+// first two zero positions p < q as their lexicographic pair rank, packed at rbits bits per block
+// (little-endian bit order), and the other 2N - 2 codes in order. Rows of both padded to 16 bytes
+// (TMA strides); `table` is the kernel's per-rank window metadata (kept position 2j and 2j + 1 of
+// the block in window j, at positions - 2j, as idx0 | idx1 << 2 in nibble j).
+struct Compact {
+    int n = 0, k = 0, win = 0, rbits = 0, blocks = 0;
+    int kept_bytes = 0, kept_row = 0, rank_bytes = 0, rank_row = 0;  // valid and padded row bytes
+    std::vector<uint8_t> kept, ranks;
+    uint32_t table[SPGEMM_RANK_TABLE] = {};
+};
+static bool make_compact(const std::vector<int8_t>& w, int n, int k, int N, Compact& c) {
+    const int len = 2 * N, pairs = len * (len - 1) / 2;
+    c.n = n;
+    c.k = k;
+    c.win = N - 1;
+    c.rbits = 0;
+    while ((1 << c.rbits) < pairs) ++c.rbits;
+    c.blocks = (k + len - 1) / len;
+    c.kept_bytes = c.blocks * (len - 2);
+    c.kept_row = (c.kept_bytes + 15) / 16 * 16;
+    c.rank_bytes = (c.blocks * c.rbits + 7) / 8;
+    c.rank_row = (c.rank_bytes + 15) / 16 * 16;
+    c.kept.assign((size_t)n * c.kept_row, 0);
+    c.ranks.assign((size_t)n * c.rank_row, 0);
+    for (int p = 0, r = 0; p < len; ++p)
+        for (int q = p + 1; q < len; ++q, ++r) {
+            int pos[16], np = 0;
+            for (int i = 0; i < len; ++i)
+                if (i != p && i != q) pos[np++] = i;
+            uint32_t t = 0;
+            for (int j = 0; j < N - 1; ++j) t |= (uint32_t)((pos[2 * j] - 2 * j) | (pos[2 * j + 1] - 2 * j) << 2) << (4 * j);
+            c.table[r] = t;
+        }
+    bool ok = true;
+#pragma omp parallel for reduction(&& : ok)
+    for (long row = 0; row < n; ++row)
+        for (int b = 0; b < c.blocks; ++b) {
+            int8_t v[16];
+            for (int i = 0; i < len; ++i) v[i] = b * len + i < k ? w[(size_t)row * k + b * len + i] : 0;
+            int p = -1, q = -1;
+            for (int i = 0; i < len && q < 0; ++i)
+                if (v[i] == 0) (p < 0 ? p : q) = i;
+            if (q < 0) {
+                ok = false;
+                continue;
+            }
+            uint8_t* kr = &c.kept[(size_t)row * c.kept_row + (size_t)b * (len - 2)];
+            for (int i = 0, o = 0; i < len; ++i)
+                if (i != p && i != q) kr[o++] = (uint8_t)v[i];
+            const int rank = p * (2 * len - p - 1) / 2 + (q - p - 1);
+            uint8_t* rr = &c.ranks[(size_t)row * c.rank_row];
+            for (int bit = 0; bit < c.rbits; ++bit)
+                if (rank >> bit & 1) rr[(b * c.rbits + bit) / 8] |= (uint8_t)(1u << ((b * c.rbits + bit) % 8));
+        }
+    if (!ok) fprintf(stderr, "make_compact: a block of %d holds fewer than two zeros\n", len);
+    return ok;
+}
+
 static void gen_x(int m, int k, uint64_t seed, bool ones, std::vector<int8_t>& x) {
     x.assign((size_t)m * k, 1);
     if (ones) return;
@@ -424,6 +491,8 @@ struct WsVariant {
     bool bf16;
     int smem;
     int cluster;  // CTAs per cluster sharing the X' tile (1: no cluster)
+    bool persistent = false;  // grid min(tiles, SMs), each CTA walking tiles blockIdx.x + i gridDim.x
+    bool compact = false;     // reads the compact layout (kept codes + ranks) instead of A and e
 };
 static const WsVariant kWs[] = {
     {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1},
@@ -431,9 +500,16 @@ static const WsVariant kWs[] = {
     {"ws n256 k128", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1},
     {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM, 1},
     {"ws n256 k128 mc2", spgemm_ws_n256_k128_i32_mc2, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 2},
+    {"ws n256 k128 persistent", spgemm_ws_n256_k128_i32_persistent, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
+    {"ws n256 k128 bf16 persistent", spgemm_ws_n256_k128_bf16_persistent, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
+    {"ws n128 k128 pingpong", spgemm_ws_n128_k128_i32_pingpong, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1, true},
+    {"ws n256 k128 compact", spgemm_ws_n256_k128_i32_compact, 256, 128, false, spgemm_ws::CfgCompact<256>::SMEM, 1, false, true},
+    {"ws n256 k128 bf16 compact", spgemm_ws_n256_k128_bf16_compact, 256, 128, true, spgemm_ws::CfgCompact<256>::SMEM, 1, false,
+     true},
 };
-// The variants the raster-group sweep times: n256 k128 without and with the X' multicast.
-static const int kSweepVariants[] = {2, 4};
+// The variants the raster-group sweep times: n256 k128 without and with the X' multicast, the
+// persistent one, the pingpong one and the compact one.
+static const int kSweepVariants[] = {2, 4, 5, 7, 8};
 static const int kWsCount = sizeof(kWs) / sizeof(kWs[0]);
 // Weight-row tiles per raster group (SpGemmWsParams::group): the timed default, the groups the
 // sweep times (n256 k128), and the uneven one every check also runs (3 does not divide the tile
@@ -442,6 +518,10 @@ static const int kDefaultGroup = 16;
 static const int kSweepGroups[] = {1, 4, 8, 16, 32};
 static const int kSweepCount = sizeof(kSweepGroups) / sizeof(kSweepGroups[0]);
 static const int kCheckGroups[] = {kDefaultGroup, 3};
+// The persistent variants are also checked with every tile in ONE CTA (group 3): the small cases
+// have 1-9 tiles, fewer than the SMs, so only this walks several tiles through one ring there
+// (the stage index and phase continued across tiles, the epilogue beside the next tile's loads).
+static const int kPersistentOneCtaGroup = 3;
 static const int kProfileGroups[] = {1, kDefaultGroup};
 // cuda_profiler_api.h's two calls (libcudart exports them), declared here so that the harness
 // builds where the toolkit's headers are the pip packages', which lack that header.
@@ -482,10 +562,22 @@ static void make_map(SpTensorMap* out, const void* base, uint64_t inner, uint64_
         exit(1);
     }
 }
-// --no-cluster: the variants with cluster > 1 are neither checked nor timed (gpu-run.sh reruns with
-// it when a cluster kernel hung).
+// --no-cluster: the rerun gpu-run.sh makes when a kernel hung (exit code 3). It skips (neither
+// checks nor times) the variants named in <binary>.hung, which the hung run wrote (see
+// wait_or_exit), or, where there is no such file, every variant with cluster > 1.
 static bool g_no_cluster = false;
-static bool ws_enabled(const WsVariant& v) { return v.cluster == 1 || !g_no_cluster; }
+// The SM count (cudaGetDeviceProperties): the persistent variants' grid is min(tiles, SMs).
+static int g_sms = 0;
+// The ws variant being checked (named in <binary>.hung when it hangs) and the variants a rerun
+// with --no-cluster skips because the previous run hung in them (read from that file).
+static const char* g_current = nullptr;
+static std::string g_hung_file, g_skip;
+static bool ws_enabled(const WsVariant& v) {
+    if (!g_no_cluster) return true;
+    // The variants the previous run hung in, else every cluster variant.
+    if (!g_skip.empty()) return g_skip.find(std::string("[") + v.name + "]") == std::string::npos;
+    return v.cluster == 1;
+}
 // Waits for `s`; a kernel still running after 20 s (an mbarrier wait that never completes) ends the
 // program with exit code 3, naming it, so that the rest of the run can be redone without it.
 static void wait_or_exit(cudaStream_t s, const char* what) {
@@ -496,15 +588,24 @@ static void wait_or_exit(cudaStream_t s, const char* what) {
             printf("\nHUNG: %s did not finish in 20 s\n", what);
             fprintf(stderr, "HUNG: %s did not finish in 20 s\n", what);
             fflush(stdout);
+            // For the rerun with --no-cluster (gpu-run.sh): skip this variant (and the ones that hung before).
+            if (g_current && !g_hung_file.empty()) {
+                if (FILE* f = fopen(g_hung_file.c_str(), "a")) {
+                    fprintf(f, "[%s]\n", g_current);
+                    fclose(f);
+                }
+            }
             exit(3);
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     CK(e);
 }
-static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, cudaStream_t s) {
+// max_grid > 0 caps a persistent variant's grid (default: the SM count).
+static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, cudaStream_t s, int max_grid = 0) {
     const unsigned n_tiles = (unsigned)((p.n_tiles + v.cluster - 1) / v.cluster * v.cluster);
-    const unsigned grid = (unsigned)((p.m + v.bn - 1) / v.bn) * n_tiles;
+    unsigned grid = (unsigned)((p.m + v.bn - 1) / v.bn) * n_tiles;
+    if (v.persistent) grid = std::min(grid, (unsigned)(max_grid > 0 ? max_grid : g_sms));
     if (v.cluster == 1) {
         v.k<<<grid, SPGEMM_WS_THREADS, v.smem, s>>>(p);
         return;
@@ -535,6 +636,19 @@ struct Problem {
     int m = 0, n = 0, kp = 0;
     std::vector<float> hsx, hsw, hbias;
     uint32_t *e128 = nullptr, *e256 = nullptr;  // the ws kernels' metadata for BK = 128, 256
+    Compact cpt;                                 // the compact kernels' weight (when has_compact)
+    uint8_t *kept = nullptr, *ranks = nullptr;
+    bool has_compact = false;
+    void upload_compact(const Compact& c) {
+        if (kept) cudaFree(kept);
+        if (ranks) cudaFree(ranks);
+        cpt = c;
+        CK(cudaMalloc(&kept, c.kept.size()));
+        CK(cudaMemcpy(kept, c.kept.data(), c.kept.size(), cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&ranks, c.ranks.size()));
+        CK(cudaMemcpy(ranks, c.ranks.data(), c.ranks.size(), cudaMemcpyHostToDevice));
+        has_compact = true;
+    }
     bool ws_ok[kWsCount] = {};                   // per ws variant: exact in the last check_all (only those are timed)
     void upload_ws(const Packed& pk) {
         if (e128) cudaFree(e128);
@@ -568,6 +682,10 @@ struct Problem {
         cudaFree(e128);
         cudaFree(e256);
         e128 = e256 = nullptr;
+        if (kept) cudaFree(kept);
+        if (ranks) cudaFree(ranks);
+        kept = ranks = nullptr;
+        has_compact = false;
         cudaFree(x);
         cudaFree(sx);
         cudaFree(sw);
@@ -594,13 +712,30 @@ struct Problem {
         q.k_tiles = dw.k_tiles * 256 / v.bk;
         q.n_tiles = dw.n_pad / 128;
         q.group = kDefaultGroup;
+        if (v.compact) {
+            // The one copy: kept codes as A (no padding rows or K' tiles: the map zero-fills them)
+            // and the packed ranks; no metadata array.
+            make_map(&q.ta, kept, cpt.kept_bytes, cpt.n, cpt.kept_row, 64, 128, CU_TENSOR_MAP_SWIZZLE_64B);
+            make_map(&q.tr, ranks, cpt.rank_bytes, cpt.n, cpt.rank_row, 16, 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+            q.e = 0;
+            q.win = cpt.win;
+            q.rbits = cpt.rbits;
+            memcpy(q.table, cpt.table, sizeof q.table);
+            q.k_tiles = (kp + 127) / 128;
+            q.n_tiles = (n + 127) / 128;
+        }
         return q;
     }
     // Runs ws variant v and compares it with ref (INT32) or its bf16 rounding; returns mismatches.
+    // max_grid: as launch_ws (a persistent variant's grid cap; 0: the SM count).
     long check_ws(const WsVariant& v, int group, const char* tag, cudaStream_t s, const std::vector<int32_t>& ref,
-                  const std::vector<uint16_t>& want16) {
+                  const std::vector<uint16_t>& want16, int max_grid = 0) {
         char what[160];
-        snprintf(what, sizeof what, "%s %s group %d", tag, v.name, group);
+        if (max_grid > 0)
+            snprintf(what, sizeof what, "%s %s group %d grid %d", tag, v.name, group, max_grid);
+        else
+            snprintf(what, sizeof what, "%s %s group %d", tag, v.name, group);
+        g_current = v.name;
         SpGemmWsParams q = ws_params(v);
         q.group = group;
         if (v.bf16) {
@@ -608,9 +743,10 @@ struct Problem {
         } else {
             CK(cudaMemset(y32, 0x7f, (size_t)m * n * 4));
         }
-        launch_ws(v, q, s);
+        launch_ws(v, q, s, max_grid);
         CK(cudaGetLastError());
         wait_or_exit(s, what);
+        g_current = nullptr;
         if (v.bf16) {
             std::vector<uint16_t> got((size_t)m * n);
             CK(cudaMemcpy(got.data(), y16, got.size() * 2, cudaMemcpyDeviceToHost));
@@ -664,8 +800,13 @@ struct Problem {
                 cells += " skipped |";
                 continue;
             }
+            if (kWs[i].compact && !has_compact) {
+                cells += " n/a |";
+                continue;
+            }
             long b = 0;
             for (int g : kCheckGroups) b += check_ws(kWs[i], g, tag, s, ref, want16);
+            if (kWs[i].persistent) b += check_ws(kWs[i], kPersistentOneCtaGroup, tag, s, ref, want16, 1);
             ws_ok[i] = b == 0;
             fails += b != 0;
             cells += b ? " MISMATCH |" : " exact |";
@@ -783,8 +924,24 @@ int main(int argc, char** argv) {
         if (!strcmp(argv[i], "--profile")) bench = false, profile = true;
         if (!strcmp(argv[i], "--no-cluster")) g_no_cluster = true;
     }
+    // <binary>.hung names the variants a run hung in: kept for the rerun with --no-cluster (which
+    // skips them, or every cluster variant when there is none), cleared by a run without it.
+    g_hung_file = std::string(argv[0]) + ".hung";
+    if (g_no_cluster) {
+        if (FILE* f = fopen(g_hung_file.c_str(), "r")) {
+            char line[256];
+            while (fgets(line, sizeof line, f)) g_skip += line;
+            fclose(f);
+        }
+        for (char& ch : g_skip)
+            if (ch == '\n') ch = ' ';
+        if (!g_skip.empty()) printf("--no-cluster: skipping the variants the previous run hung in: %s\n", g_skip.c_str());
+    } else {
+        remove(g_hung_file.c_str());
+    }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
+    g_sms = prop.multiProcessorCount;
     printf("device: %s, %d SMs, sm_%d%d, %zu bytes of shared memory per block (opt-in)\n", prop.name, prop.multiProcessorCount,
            prop.major, prop.minor, (size_t)prop.sharedMemPerBlockOptin);
     CK(cudaFuncSetAttribute(spgemm_sm90_i32, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -863,6 +1020,14 @@ int main(int argc, char** argv) {
         if (!pack24(w24, n, kp, 0, pk)) return 1;
         Problem pr;
         pr.setup(pk, x, m, n, kp, seed);
+        // The compact kernels: 6:8 from W (X' is its lift), else 2:4 from W' itself (X' = X).
+        Compact cpt;
+        if (c.kind == SLID68 ? make_compact(w68, n, c.kdim, 4, cpt) : make_compact(w24, n, kp, 2, cpt)) {
+            pr.upload_compact(cpt);
+        } else {
+            ++failures;
+            note += " compact layout failed;";
+        }
         char tag[64];
         if (c.kind == KSTEP)
             snprintf(tag, sizeof tag, "%s%d", kind_name(c.kind), c.step);
@@ -928,6 +1093,9 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&d_ref0, (size_t)mmax * n * 4));
         Problem pr;
         pr.setup(pk, x, mmax, n, kp, seed);  // X' has mmax rows; M is set per run below
+        Compact cpt;
+        if (!make_compact(w68, n, k, 4, cpt)) return 1;
+        pr.upload_compact(cpt);
         // The CPU on 64 rows (the first 8, the last 8, 48 at random), every token of mmax.
         std::vector<int> rows;
         for (int i = 0; i < 8; ++i) rows.push_back(i);

@@ -463,12 +463,42 @@ SPGEMM_KERNEL(spgemm_sm90_bf16, 4, true, 1)
 //   e:  u32 [n_pad / 128][K'_pad / BK][2 consumers][128 threads][BK / 64 k-steps], the words of
 //       the metadata map of the kernel above (row = 64 (2 nb + c) + 16 w + (l >> 2) + 8 (l & 1),
 //       kbase = BK kb + 64 s + 32 ((l >> 1) & 1)); one stage's words are one contiguous block.
+//
+// The persistent kernels (same parameters, layouts, tensor maps and raster order; CL = 1):
+//   - `spgemm_ws_n256_k128_{i32,bf16}_persistent` ("cooperative", run_persistent): the n256 k128
+//     tile above, grid = min(tiles, SMs) CTAs (the host passes the SM count through the grid
+//     size; the kernel only uses gridDim), CTA b computing the tiles b, b + gridDim.x, ... of
+//     tile_at's raster order (so the grid's i-th round covers what the non-persistent kernel's
+//     i-th wave of CTAs did). The ring runs on across tiles: K' tile number i of the CTA,
+//     counted over all its tiles, is in stage i % STAGES with full/empty parity
+//     (i / STAGES) & 1, a position (RingPos) that producer and consumers advance in the same
+//     order and never reset at a tile boundary. The producer thread goes straight on to the
+//     next tile's K' tiles; the consumers, after the tile's last wgmma.wait_group 0, release
+//     its last stage and then store the tile from their accumulators (the epilogue reads no
+//     shared memory), so while they store, the producer fills up to all STAGES stages of the
+//     next tile, and its first wgmmas find them loaded: the ring is never drained and refilled
+//     at a tile boundary, only the tensor cores idle during the stores.
+//   - `spgemm_ws_n128_k128_i32_pingpong` (run_pingpong): as persistent, but the two consumer
+//     warpgroups alternate tiles: warpgroup c computes the CTA's tiles c, c + 2, ... of its walk,
+//     each a whole 128 weight rows x 128 tokens tile (both 64-row halves of A: per K' tile
+//     2 x 2 m64n128k64, 2 x 64 accumulators and 2 x 2 metadata words per set per thread). The
+//     producer loads the CTA's tiles one after the other into the ring as above; each stage is
+//     read by one warpgroup (empty barriers count its 4 warps). A warpgroup starts a tile's
+//     mainloop only after the other has issued its mainloop of the previous tile (two order
+//     mbarriers, one arrival per warp), which keeps every full-barrier wait within one phase of
+//     the barrier (see run_pingpong) and makes the turns: one warpgroup's wgmmas run while the
+//     other stores its tile. n128: 2 x 128 accumulators for a 128 x 256 tile per warpgroup do
+//     not fit the 232 registers; a 64-row tile would double the X' bytes per operation.
+//   Both: 168 registers at launch, setmaxnreg 40 / 232 as above, no spills, no C7515.
 
 // A CUtensorMap (the driver's opaque 128-byte, 64-byte-aligned descriptor), built on the host by
 // cuTensorMapEncodeTiled; declared here because NVRTC has no cuda.h.
 struct __align__(64) SpTensorMap {
     u64 opaque[16];
 };
+
+// Entries of SpGemmWsParams::table: C(16, 2) = 120 zero pairs of the longest block (14:16), rounded up.
+#define SPGEMM_RANK_TABLE 128
 
 // Must match the harness. Passed as a __grid_constant__ parameter so that the tensor maps' addresses
 // are the parameter space's (what TMA instructions require of a map that is not in global memory).
@@ -480,6 +510,11 @@ struct __align__(64) SpGemmWsParams {
     int k_tiles;    // K'_pad / BK
     int n_tiles;    // n_pad / 128
     int group;      // weight-row tiles per raster group (>= 1), see spgemm_ws::tile_of
+    // The compact kernels (`spgemm_ws_*_compact`, see "The compact kernels" below) only:
+    SpTensorMap tr;  // the packed zero-pair ranks, u8 [n][rank row bytes], box {16, 128}
+    int win;         // 2:4 windows per block, N - 1
+    int rbits;       // bits per rank, ceil(log2 C(2N, 2))
+    u32 table[SPGEMM_RANK_TABLE];  // per rank: the 4-bit metadata of window j at bits [4 j, 4 j + 4)
 };
 
 #define SPGEMM_WS_THREADS 384
@@ -602,14 +637,19 @@ __device__ __forceinline__ void wgmma_sp(int (&d)[128], u64 da, u64 db, u32 e) {
 // group are rounded up to multiples of CL, so the CL CTAs of a cluster (consecutive blockIdx) get
 // the same token tile and CL consecutive weight tiles. A weight tile past n_tiles (odd n_tiles) is a
 // phantom: it loads zeros for A (out of bounds of the A map), helps its peer with X', stores nothing.
+// tile_at maps any tile index `idx` of that order (the persistent kernels walk several per CTA).
 template <int BN, int CL>
-__device__ __forceinline__ void tile_of(const SpGemmWsParams& p, int& m0, int& nt) {
+__device__ __forceinline__ void tile_at(const SpGemmWsParams& p, int idx, int& m0, int& nt) {
     const int m_tiles = (p.m + BN - 1) / BN, nt_all = (p.n_tiles + CL - 1) / CL * CL;
     const int g = (p.group + CL - 1) / CL * CL, span = g * m_tiles;
-    const int first = (int)blockIdx.x / span * g, r = (int)blockIdx.x % span;
+    const int first = idx / span * g, r = idx % span;
     const int rows = min(g, nt_all - first);
     nt = first + r % rows;
     m0 = r / rows * BN;
+}
+template <int BN, int CL>
+__device__ __forceinline__ void tile_of(const SpGemmWsParams& p, int& m0, int& nt) {
+    tile_at<BN, CL>(p, (int)blockIdx.x, m0, nt);
 }
 
 template <class C>
@@ -707,6 +747,60 @@ __device__ __forceinline__ void consume(u32 base, u32 bars, int kt, int cw, int 
 }
 #endif  // SPGEMM_HAS_WGMMA
 
+// The consumer warpgroups of `run` and `run_compact`: every K' tile of this CTA's tile, then the
+// epilogue from the accumulators.
+template <class C, int OUT, int CL>
+__device__ __forceinline__ void consumer_main(const SpGemmWsParams& p, u32 base, u32 bars, int tid, int wg) {
+#if SPGEMM_HAS_WGMMA
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int cw = wg - 1, t128 = tid & 127;
+    int acc[C::ACC];
+#pragma unroll
+    for (int i = 0; i < C::ACC; ++i) acc[i] = 0;
+    u32 e0[C::KSTEPS], e1[C::KSTEPS], sink = 0u;
+#pragma unroll
+    for (int i = 0; i < C::KSTEPS; ++i) e0[i] = e1[i] = 0u;
+    const int kts = p.k_tiles;
+    for (int kt = 0; kt < kts; kt += 2) {
+        consume<C, CL>(base, bars, kt, cw, t128, acc, e0, e1, sink);
+        if (kt + 1 < kts) consume<C, CL>(base, bars, kt + 1, cw, t128, acc, e1, e0, sink);
+    }
+    spgemm::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
+#pragma unroll
+    for (int i = 0; i < C::KSTEPS; ++i) {
+        spgemm::keep_reg(sink, e0[i]);
+        spgemm::keep_reg(sink, e1[i]);
+    }
+    if (p.m < 0) ((u32*)p.y)[tid] = sink;  // never: makes the metadata registers' uses real
+
+    // Epilogue from the accumulators, as spgemm::run's [CUTE-C].
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    int m0, nt;
+    tile_of<C::BN, CL>(p, m0, nt);
+    const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
+    const int tcol = m0 + 2 * (lane & 3);
+    SpGemmParams q{};
+    q.sx = p.sx;
+    q.sw = p.sw;
+    q.bias = p.bias;
+    q.y = p.y;
+    q.ldy = p.ldy;
+#pragma unroll
+    for (int j = 0; j < C::BN / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
+            if (n < p.n && tok < p.m) spgemm::store_out<OUT>(q, tok, n, acc[4 * j + v]);
+        }
+    // The last stage too: a cluster's producers wait for every stage's release before exiting.
+    // (Released here, after the stores: released right after the last wgmma wait, ptxas serializes
+    // the main loop's wgmma, C7515.)
+    if constexpr (CL > 1) release<C, CL>(bars, kts - 1, t128);
+#endif
+}
+
 template <int BN, int BK, int OUT, int CL>
 __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem) {
 #if SPGEMM_HAS_WGMMA
@@ -735,33 +829,97 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
         if (tid == 0) produce<C, CL>(p, base, bars);
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int cw = wg - 1, t128 = tid & 127;
-    int acc[C::ACC];
-#pragma unroll
-    for (int i = 0; i < C::ACC; ++i) acc[i] = 0;
-    u32 e0[C::KSTEPS], e1[C::KSTEPS], sink = 0u;
-#pragma unroll
-    for (int i = 0; i < C::KSTEPS; ++i) e0[i] = e1[i] = 0u;
-    const int kts = p.k_tiles;
-    for (int kt = 0; kt < kts; kt += 2) {
-        consume<C, CL>(base, bars, kt, cw, t128, acc, e0, e1, sink);
-        if (kt + 1 < kts) consume<C, CL>(base, bars, kt + 1, cw, t128, acc, e1, e0, sink);
+    consumer_main<C, OUT, CL>(p, base, bars, tid, wg);
+#else
+    __trap();  // not built for sm_90a
+#endif
+}
+
+// -------------------------------------------------------------------------------------------------
+// The persistent kernels (`spgemm_ws_*_persistent`): the n256 k128 tile of `run` (CL = 1), but
+// grid = min(tiles, SMs) CTAs that each walk the tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+// of tile_at's raster order. The ring is never drained at a tile boundary: the producer goes
+// straight on to the next tile's K' tiles while the consumers finish this one (see the header).
+
+#if SPGEMM_HAS_WGMMA
+// A stage index and the parity of its current use, continued across output tiles: the K' tile
+// number i of this CTA (counted over all its tiles) is in stage i % STAGES, use i / STAGES.
+template <class C>
+struct RingPos {
+    int s = 0;
+    u32 ph = 0;  // (i / STAGES) & 1
+    __device__ __forceinline__ void advance() {
+        if (++s == C::STAGES) {
+            s = 0;
+            ph ^= 1u;
+        }
     }
-    spgemm::wgmma_wait<0>();
+};
+
+// The persistent producer thread: every K' tile of every tile of this CTA, in order, into the
+// ring position after the previous one (never reset per tile).
+template <class C>
+__device__ __forceinline__ void produce_persistent(const SpGemmWsParams& p, u32 base, u32 bars, int tiles) {
+    RingPos<C> r;
+    for (int tile = (int)blockIdx.x; tile < tiles; tile += (int)gridDim.x) {
+        int m0, nt;
+        tile_at<C::BN, 1>(p, tile, m0, nt);
+        const int n0 = nt * 128;
+        const char* e = (const char*)p.e + (size_t)nt * p.k_tiles * C::E_BYTES;
+        for (int kt = 0; kt < p.k_tiles; ++kt, r.advance()) {
+            // SAFETY (stage reuse): the empty phase of the previous use of stage r.s completes only
+            // once every consumer warp that reads it has released it (all 8; pingpong: the 4 of the
+            // warpgroup whose tile it holds), and a consumer warp releases a stage only
+            // after wgmma.wait_group has retired the group that read it (its metadata words were
+            // read into registers before that group was issued). The previous use may belong to
+            // the previous output tile: its last stage is released after that tile's wait_group 0.
+            mbar_wait(empty_bar<C>(bars, r.s), r.ph ^ 1u);
+            const u32 st = base + r.s * C::STAGE, full = full_bar<C>(bars, r.s);
+            mbar_expect_tx(full, C::STAGE);
+            tma_2d(st, &p.ta, full, kt * (C::BK / 2), n0);
+#pragma unroll
+            for (int h = 0; h < C::BK / 128; ++h) tma_2d(st + C::A_BYTES + h * C::B_HALF, &p.tb, full, kt * C::BK + 128 * h, m0);
+            bulk_copy(st + C::A_BYTES + C::B_BYTES, e + (size_t)kt * C::E_BYTES, C::E_BYTES, full);
+        }
+    }
+}
+
+// One K' tile of a persistent consumer warpgroup: consume's body at ring position `r` (the caller
+// advances it), releasing the stage `prev` of this output tile's previous K' tile (-1: none).
+template <class C>
+__device__ __forceinline__ void consume_at(u32 base, u32 bars, const RingPos<C>& r, int prev, int cw, int t128,
+                                           int (&acc)[C::ACC], u32 (&e)[C::KSTEPS], u32 (&e_prev)[C::KSTEPS], u32& sink) {
+    mbar_wait(full_bar<C>(bars, r.s), r.ph);
+    const u32 st = base + r.s * C::STAGE;
+    const u32 sa = st + cw * 64 * (C::BK / 2), sb = st + C::A_BYTES;
+    const u32 se = st + C::A_BYTES + C::B_BYTES + (cw * 128 + t128) * C::KSTEPS * 4;
+    if constexpr (C::KSTEPS == 2) {
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e[0]), "=r"(e[1]) : "r"(se) : "memory");
+    } else {
+        u32 v[4];
+        spgemm::lds128(se, v);
+#pragma unroll
+        for (int i = 0; i < C::KSTEPS; ++i) e[i] = v[i];
+    }
 #pragma unroll
     for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
+    spgemm::wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < C::KSTEPS; ++i) {
-        spgemm::keep_reg(sink, e0[i]);
-        spgemm::keep_reg(sink, e1[i]);
-    }
-    if (p.m < 0) ((u32*)p.y)[tid] = sink;  // never: makes the metadata registers' uses real
+    for (int ks = 0; ks < C::KSTEPS; ++ks)
+        wgmma_sp(acc, desc_a<C::BK>(sa + ks * 32), spgemm::desc_sw128(sb + (ks >> 1) * C::B_HALF + (ks & 1) * 64), e[ks]);
+    spgemm::wgmma_commit();
+    spgemm::wgmma_wait<1>();  // the previous K' tile's group is done: its stage and metadata registers are free
+#pragma unroll
+    for (int i = 0; i < C::KSTEPS; ++i) spgemm::keep_reg(sink, e_prev[i]);
+#pragma unroll
+    for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
+    if (prev >= 0) release<C, 1>(bars, prev, t128);
+}
 
-    // Epilogue from the accumulators, as spgemm::run's [CUTE-C].
+// The epilogue of one output tile straight from the accumulators, as run's [CUTE-C].
+template <int BN, int OUT>
+__device__ __forceinline__ void store_tile(const SpGemmWsParams& p, int m0, int nt, int cw, int tid, const int (&acc)[BN / 2]) {
     const int warp = (tid >> 5) & 3, lane = tid & 31;
-    int m0, nt;
-    tile_of<BN, CL>(p, m0, nt);
     const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
     const int tcol = m0 + 2 * (lane & 3);
     SpGemmParams q{};
@@ -777,10 +935,381 @@ __device__ __forceinline__ void run(const SpGemmWsParams& p, unsigned char* smem
             const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
             if (n < p.n && tok < p.m) spgemm::store_out<OUT>(q, tok, n, acc[4 * j + v]);
         }
-    // The last stage too: a cluster's producers wait for every stage's release before exiting.
-    // (Released here, after the stores: released right after the last wgmma wait, ptxas serializes
-    // the main loop's wgmma, C7515.)
-    if constexpr (CL > 1) release<C, CL>(bars, kts - 1, t128);
+}
+#endif  // SPGEMM_HAS_WGMMA
+
+template <int BN, int BK, int OUT>
+__device__ __forceinline__ void run_persistent(const SpGemmWsParams& p, unsigned char* smem) {
+#if SPGEMM_HAS_WGMMA
+    using C = Cfg<BN, BK>;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const u32 base = (spgemm::smem_u32(smem) + 1023u) & ~1023u;
+    const u32 bars = base + C::STAGES * C::STAGE;
+    const int tiles = (p.m + BN - 1) / BN * p.n_tiles;
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) {
+            mbar_init(full_bar<C>(bars, s), 1);
+            mbar_init(empty_bar<C>(bars, s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) produce_persistent<C>(p, base, bars, tiles);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int cw = wg - 1, t128 = tid & 127;
+    int acc[C::ACC];
+    u32 e0[C::KSTEPS], e1[C::KSTEPS], sink = 0u;
+#pragma unroll
+    for (int i = 0; i < C::KSTEPS; ++i) e0[i] = e1[i] = 0u;
+    const int kts = p.k_tiles;
+    RingPos<C> r;  // the same sequence of positions as the producer's
+    for (int tile = (int)blockIdx.x; tile < tiles; tile += (int)gridDim.x) {
+        // The previous tile's accumulators were stored and all its groups retired (wait_group 0).
+#pragma unroll
+        for (int i = 0; i < C::ACC; ++i) acc[i] = 0;
+        int prev = -1;
+        for (int kt = 0; kt < kts; kt += 2) {
+            consume_at<C>(base, bars, r, prev, cw, t128, acc, e0, e1, sink);
+            prev = r.s;
+            r.advance();
+            if (kt + 1 < kts) {
+                consume_at<C>(base, bars, r, prev, cw, t128, acc, e1, e0, sink);
+                prev = r.s;
+                r.advance();
+            }
+        }
+        spgemm::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
+#pragma unroll
+        for (int i = 0; i < C::KSTEPS; ++i) {
+            spgemm::keep_reg(sink, e0[i]);
+            spgemm::keep_reg(sink, e1[i]);
+        }
+        // SAFETY (epilogue overlap): the last K' tile's stage is released before the stores, so
+        // the producer may already be writing the next tile's first K' tiles into every stage of
+        // the ring while this epilogue runs. That is safe because the epilogue reads nothing from
+        // shared memory: only the accumulators (registers, complete after wait_group 0) and the
+        // global scales; and the next tile's wgmmas cannot overwrite `acc` before the stores
+        // read them (program order within each thread; the zeroing above comes after them).
+        release<C, 1>(bars, prev, t128);
+        int m0, nt;
+        tile_at<BN, 1>(p, tile, m0, nt);
+        store_tile<BN, OUT>(p, m0, nt, cw, tid, acc);
+    }
+    if (p.m < 0) ((u32*)p.y)[tid] = sink;  // never: makes the metadata registers' uses real
+#else
+    __trap();  // not built for sm_90a
+#endif
+}
+
+// -------------------------------------------------------------------------------------------------
+// The pingpong kernel (`spgemm_ws_n128_k128_i32_pingpong`): persistent as above, but the two
+// consumer warpgroups take turns: warpgroup c computes the CTA's tiles number c, c + 2, c + 4, ...
+// of its walk, each a whole 128 weight rows x 128 tokens tile (both 64-row halves: 2 x 64
+// accumulators per thread), so one warpgroup's wgmmas run while the other stores its tile.
+
+#if SPGEMM_HAS_WGMMA
+template <class C>
+__device__ __forceinline__ u32 order_bar(u32 bars, int c) { return bars + 8 * (2 * C::STAGES + c); }
+
+// One K' tile of a pingpong consumer warpgroup: both halves' wgmmas on the stage at `r`, the
+// metadata words of both halves in e[2][KSTEPS] (two sets alternating, as in consume).
+template <class C>
+__device__ __forceinline__ void consume_pp(u32 base, u32 bars, const RingPos<C>& r, int prev, int t128, int (&acc0)[C::ACC],
+                                           int (&acc1)[C::ACC], u32 (&e)[2][C::KSTEPS], u32 (&e_prev)[2][C::KSTEPS], u32& sink) {
+    static_assert(C::KSTEPS == 2 && C::BN == 128, "pingpong: n128 k128 only");
+    mbar_wait(full_bar<C>(bars, r.s), r.ph);
+    const u32 st = base + r.s * C::STAGE, sb = st + C::A_BYTES;
+    const u32 se = st + C::A_BYTES + C::B_BYTES + t128 * C::KSTEPS * 4;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e[0][0]), "=r"(e[0][1]) : "r"(se) : "memory");
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e[1][0]), "=r"(e[1][1]) : "r"(se + 128 * C::KSTEPS * 4) : "memory");
+#pragma unroll
+    for (int i = 0; i < C::ACC; ++i) {
+        spgemm::fence_reg(acc0[i]);
+        spgemm::fence_reg(acc1[i]);
+    }
+    spgemm::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < C::KSTEPS; ++ks) {
+        const u64 db = spgemm::desc_sw128(sb + ks * 64);
+        wgmma_sp(acc0, desc_a<C::BK>(st + ks * 32), db, e[0][ks]);
+        wgmma_sp(acc1, desc_a<C::BK>(st + 64 * (C::BK / 2) + ks * 32), db, e[1][ks]);
+    }
+    spgemm::wgmma_commit();
+    spgemm::wgmma_wait<1>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < C::KSTEPS; ++i) spgemm::keep_reg(sink, e_prev[h][i]);
+#pragma unroll
+    for (int i = 0; i < C::ACC; ++i) {
+        spgemm::fence_reg(acc0[i]);
+        spgemm::fence_reg(acc1[i]);
+    }
+    if (prev >= 0) release<C, 1>(bars, prev, t128);
+}
+#endif  // SPGEMM_HAS_WGMMA
+
+template <int OUT>
+__device__ __forceinline__ void run_pingpong(const SpGemmWsParams& p, unsigned char* smem) {
+#if SPGEMM_HAS_WGMMA
+    using C = Cfg<128, 128>;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const u32 base = (spgemm::smem_u32(smem) + 1023u) & ~1023u;
+    const u32 bars = base + C::STAGES * C::STAGE;
+    static_assert(8 * (2 * C::STAGES + 2) <= 256, "barriers fit the 256 bytes after the ring");
+    const int tiles = (p.m + C::BN - 1) / C::BN * p.n_tiles;
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) {
+            mbar_init(full_bar<C>(bars, s), 1);
+            mbar_init(empty_bar<C>(bars, s), 4);  // each stage is read by ONE warpgroup: its 4 warps
+        }
+        mbar_init(order_bar<C>(bars, 0), 4);  // warpgroup c's 4 warps: "my mainloop of a tile is issued"
+        mbar_init(order_bar<C>(bars, 1), 4);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        // The ring holds the CTA's tiles one after the other, whichever warpgroup computes them.
+        if (tid == 0) produce_persistent<C>(p, base, bars, tiles);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int c = wg - 1, t128 = tid & 127, kts = p.k_tiles;
+    int acc0[C::ACC], acc1[C::ACC];
+    u32 e0[2][C::KSTEPS], e1[2][C::KSTEPS], sink = 0u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < C::KSTEPS; ++i) e0[h][i] = e1[h][i] = 0u;
+    // j: this tile's number in the CTA's walk (tile = blockIdx.x + j gridDim.x); warpgroup c takes
+    // j = c, c + 2, ...
+    for (int j = c, tile = (int)blockIdx.x + c * (int)gridDim.x; tile < tiles; j += 2, tile += 2 * (int)gridDim.x) {
+        // SAFETY (turns): before its mainloop of tile j the warpgroup waits until the other one has
+        // issued (so passed every full-barrier wait of) its mainloop of tile j - 1; that other one
+        // did the same for j - 2, so every ring position before this tile's first, j * kts, has
+        // completed its full phase. Hence when this warpgroup waits on position i (stage
+        // i % STAGES, parity (i / STAGES) & 1), the same stage's previous use i - STAGES has
+        // completed: it never waits two phases ahead (where the parity test would pass on the
+        // wrong phase). Without the turn, warpgroup 1 would wait on position kts at once, while
+        // the stage's phase kts / STAGES - 2 (of the same parity) is still pending.
+        // The order barrier itself: phase q of order_bar(1 - c) is the other warpgroup's tile
+        // number 2 q + 1 - c; this warpgroup observed its phase q - 1 before its previous tile, so
+        // it never waits two phases ahead either.
+        if (j > 0) mbar_wait(order_bar<C>(bars, 1 - c), (u32)(((j - 1) >> 1) & 1));
+#pragma unroll
+        for (int i = 0; i < C::ACC; ++i) acc0[i] = acc1[i] = 0;
+        RingPos<C> r;
+        {
+            const int first = j * kts;  // ring position of this tile's first K' tile
+            r.s = first % C::STAGES;
+            r.ph = (u32)((first / C::STAGES) & 1);
+        }
+        int prev = -1;
+        for (int kt = 0; kt < kts; kt += 2) {
+            consume_pp<C>(base, bars, r, prev, t128, acc0, acc1, e0, e1, sink);
+            prev = r.s;
+            r.advance();
+            if (kt + 1 < kts) {
+                consume_pp<C>(base, bars, r, prev, t128, acc0, acc1, e1, e0, sink);
+                prev = r.s;
+                r.advance();
+            }
+        }
+        // The other warpgroup's turn: every wgmma of this tile is issued (this warp's full waits
+        // are behind it). One arrival per warp.
+        if ((t128 & 31) == 0) mbar_arrive(order_bar<C>(bars, c));
+        spgemm::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < C::ACC; ++i) {
+            spgemm::fence_reg(acc0[i]);
+            spgemm::fence_reg(acc1[i]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < C::KSTEPS; ++i) {
+                spgemm::keep_reg(sink, e0[h][i]);
+                spgemm::keep_reg(sink, e1[h][i]);
+            }
+        // SAFETY: as run_persistent's epilogue (it reads no shared memory, so the stage released
+        // here may be refilled at once, here with the other warpgroup's next K' tiles).
+        release<C, 1>(bars, prev, t128);
+        int m0, nt;
+        tile_at<C::BN, 1>(p, tile, m0, nt);
+        store_tile<C::BN, OUT>(p, m0, nt, 0, tid, acc0);
+        store_tile<C::BN, OUT>(p, m0, nt, 1, tid, acc1);
+    }
+    if (p.m < 0) ((u32*)p.y)[tid] = sink;  // never: makes the metadata registers' uses real
+#else
+    __trap();  // not built for sm_90a
+#endif
+}
+
+// -------------------------------------------------------------------------------------------------
+// The compact kernels (`spgemm_ws_n256_k128_{i32,bf16}_compact`): `run`'s n256 k128 tile (CL = 1)
+// on the compact (2N-2):2N layout (compact.rs), the one copy of the weight, with no metadata array:
+//   - A values: the compact `kept` array, u8 [n][kept row bytes] (rows 16-byte aligned). A block's
+//     2N - 2 kept codes in K order ARE its N - 1 windows' 2:4 values two by two (kept code i of a
+//     block sits at block position >= i and <= i + 2, so codes 2j, 2j + 1 fit window j, positions
+//     2j .. 2j + 3), so row n of `kept` is row n of the compressed W' and `ta` maps it as before.
+//   - Metadata: built per stage from the ranks. The producer thread also loads, for the stage's
+//     128 rows, the 16 bytes of packed ranks (rank_bits each, compact.rs `packed_ranks`) from byte
+//     (b0 rank_bits) / 8 of the row, b0 = the block of the stage's first window (16 bytes hold the
+//     blocks of 32 windows plus a partial byte for every pattern 2:4 .. 14:16), on a third
+//     mbarrier per stage (`rank_bar`). Warps 1-3 of the producer warpgroup (96 threads, otherwise
+//     idle) wait for it, turn each row's ranks into its 32 windows' nibbles through `table` (in
+//     shared memory: a rank's N - 1 window nibbles, the host's table of compact.rs
+//     `window_metadata`) and store them as the consumers' metadata words (the map of `e` above),
+//     then arrive on the stage's `full` barrier (1 + 96 arrivals: the TMA thread's expect-tx and
+//     each worker's). The consumers are `run`'s, unchanged.
+//   Rows past n and windows past K' read ranks 0 (TMA zero fill): pair (0, 1), valid nibbles,
+//   whose values are zero (A zero filled) or meet zero activations (X' zero filled).
+//   Stage: A 8 KB, X' 32 KB, metadata words 2 KB, ranks 2 KB; 5 stages.
+
+template <int BN_>
+struct CfgCompact {
+    static constexpr int BN = BN_, BK = 128;
+    static constexpr int A_BYTES = 128 * BK / 2;
+    static constexpr int B_HALF = BN * 128;
+    static constexpr int B_BYTES = B_HALF;
+    static constexpr int KSTEPS = BK / 64;
+    static constexpr int E_BYTES = 2 * 128 * KSTEPS * 4;
+    static constexpr int R_ROW = 16;  // rank bytes per row per stage (one TMA box row)
+    static constexpr int R_BYTES = 128 * R_ROW;
+    static constexpr int R_OFF = A_BYTES + B_BYTES + E_BYTES;
+    static constexpr int STAGE = A_BYTES + B_BYTES + E_BYTES + R_BYTES;
+    static constexpr int TABLE_BYTES = 4 * SPGEMM_RANK_TABLE;
+    static constexpr int FIT = (SPGEMM_WS_SMEM_LIMIT - 1024 - 256 - TABLE_BYTES) / STAGE;
+    static constexpr int STAGES = FIT < 8 ? FIT : 8;
+    static constexpr int SMEM = STAGES * STAGE + 1024 + 256 + TABLE_BYTES;
+    static constexpr int ACC = BN / 2;
+    static constexpr int WORKERS = 96;  // warps 1-3 of the producer warpgroup
+    static_assert(STAGE % 1024 == 0 && A_BYTES % 1024 == 0 && B_HALF % 1024 == 0, "1024-byte alignment of the swizzled parts");
+    static_assert(R_OFF % 128 == 0, "TMA destinations are 128-byte aligned");
+    static_assert(STAGES >= 3 && 8 * 3 * STAGES <= 256, "stages and their three barriers");
+};
+
+#if SPGEMM_HAS_WGMMA
+template <class C>
+__device__ __forceinline__ u32 rank_bar(u32 bars, int s) { return bars + 8 * (2 * C::STAGES + s); }
+
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
+
+// The block of stage kt's first window (window 32 kt of the row).
+__device__ __forceinline__ int first_block(const SpGemmWsParams& p, int kt) { return kt * 32 / p.win; }
+
+// The compact producer thread: A (kept codes), the X' tile and the stage's rank bytes.
+template <class C>
+__device__ __forceinline__ void produce_compact(const SpGemmWsParams& p, u32 base, u32 bars) {
+    int m0, nt;
+    tile_of<C::BN, 1>(p, m0, nt);
+    const int n0 = nt * 128;
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+        const int s = kt % C::STAGES;
+        mbar_wait(empty_bar<C>(bars, s), ((kt / C::STAGES) & 1) ^ 1);
+        const u32 st = base + s * C::STAGE, full = full_bar<C>(bars, s), rk = rank_bar<C>(bars, s);
+        // The ranks first: the workers' expansion is on the path to `full`.
+        mbar_expect_tx(rk, C::R_BYTES);
+        tma_2d(st + C::R_OFF, &p.tr, rk, first_block(p, kt) * p.rbits / 8, n0);
+        mbar_expect_tx(full, C::A_BYTES + C::B_BYTES);
+        tma_2d(st, &p.ta, full, kt * (C::BK / 2), n0);
+        tma_2d(st + C::A_BYTES, &p.tb, full, kt * C::BK, m0);
+    }
+}
+
+// Row r (0..127) of a stage: its 32 windows' metadata nibbles from the ranks at `ranks` (16
+// bytes, the first rank at bit `bit0`, its block's window `j0` the stage's first), stored as the
+// four words the consumer threads read (the map of `e`: word k = windows [8 k, 8 k + 8) goes to
+// k-step k >> 1 of lane 4 (r & 7) + (r & 15) / 8 + 2 (k & 1) of warp (r & 63) / 16 of consumer r / 64).
+template <class C>
+__device__ __forceinline__ void expand_row(const SpGemmWsParams& p, u32 ranks, u32 words, u32 table, int r, int j0, int bit0) {
+    const int cw = r >> 6, w = (r >> 4) & 3, rr = r & 15;
+    const u32 row_words = words + (u32)((cw * 128 + 32 * w + 4 * (rr & 7) + (rr >> 3)) * C::KSTEPS) * 4u;
+    const int win = p.win;
+    const u32 mask = (1u << p.rbits) - 1u;
+    u64 acc = 0;
+    int nacc = 0, k = 0, off = bit0, j = j0;
+    for (int wi = 0; wi < C::BK / 4;) {
+        // The rank at bit `off` of the 16 bytes (off + rbits <= 128: see the header), across two
+        // words; the second is word 3 again when the first is (then it is not needed).
+        const int q = off >> 5;
+        const u32 lo = lds32(ranks + 4 * q), hi = lds32(ranks + 4 * min(q + 1, 3));
+        const u32 rank = __funnelshift_r(lo, hi, off & 31) & mask;
+        const int n = min(win - j, C::BK / 4 - wi);  // this block's windows in the stage, 1..7
+        const u32 nib = (lds32(table + 4 * rank) >> (4 * j)) & (0xffffffffu >> (32 - 4 * n));
+        acc |= (u64)nib << nacc;
+        nacc += 4 * n;
+        wi += n;
+        j = 0;
+        off += p.rbits;
+        if (nacc >= 32) {  // 4 n <= 28 bits per block: at most one word completes per block
+            sts32(row_words + (u32)(2 * (k & 1) * C::KSTEPS + (k >> 1)) * 4u, (u32)acc);
+            acc >>= 32;
+            nacc -= 32;
+            ++k;
+        }
+    }
+}
+
+// A metadata worker (0..95): every stage of this CTA, in order.
+template <class C>
+__device__ __forceinline__ void expand_metadata(const SpGemmWsParams& p, u32 base, u32 bars, u32 table, int worker) {
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+        const int s = kt % C::STAGES;
+        // SAFETY (stage reuse): the ranks of use kt / STAGES landed, so the producer had waited for
+        // the consumers' release of this stage's previous use: its metadata words are free to
+        // overwrite. The workers arrive on `full` once per use, so they are never a phase ahead.
+        mbar_wait(rank_bar<C>(bars, s), (kt / C::STAGES) & 1);
+        const u32 st = base + s * C::STAGE;
+        const int w0 = kt * (C::BK / 4), b0 = first_block(p, kt);
+        const int j0 = w0 - b0 * p.win, bit0 = (b0 * p.rbits) & 7;
+        for (int r = worker; r < 128; r += C::WORKERS)
+            expand_row<C>(p, st + C::R_OFF + r * C::R_ROW, st + C::A_BYTES + C::B_BYTES, table, r, j0, bit0);
+        // Release: this thread's words are visible to the consumers that acquire `full`.
+        mbar_arrive(full_bar<C>(bars, s));
+    }
+}
+#endif  // SPGEMM_HAS_WGMMA
+
+template <int BN, int OUT>
+__device__ __forceinline__ void run_compact(const SpGemmWsParams& p, unsigned char* smem) {
+#if SPGEMM_HAS_WGMMA
+    using C = CfgCompact<BN>;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const u32 base = (spgemm::smem_u32(smem) + 1023u) & ~1023u;
+    const u32 bars = base + C::STAGES * C::STAGE, table = bars + 256;
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) {
+            mbar_init(full_bar<C>(bars, s), 1 + C::WORKERS);  // the expect-tx arrival and every worker's
+            mbar_init(empty_bar<C>(bars, s), 8);
+            mbar_init(rank_bar<C>(bars, s), 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    for (int i = tid; i < SPGEMM_RANK_TABLE; i += SPGEMM_WS_THREADS) sts32(table + 4 * i, p.table[i]);
+    __syncthreads();
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            produce_compact<C>(p, base, bars);
+        } else if (tid >= 32) {
+            expand_metadata<C>(p, base, bars, table, tid - 32);
+        }
+        return;
+    }
+    consumer_main<C, OUT, 1>(p, base, bars, tid, wg);
 #else
     __trap();  // not built for sm_90a
 #endif
@@ -803,6 +1332,38 @@ SPGEMM_WS_KERNEL(spgemm_ws_n128_k256_i32, 128, 256, 0, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32, 256, 128, 0, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_bf16, 256, 128, 1, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32_mc2, 256, 128, 0, 2)
+
+// grid min(ceil(m / BN) * n_tiles, SMs) (1-D, no cluster), SPGEMM_WS_THREADS threads,
+// spgemm_ws::Cfg<BN, BK>::SMEM bytes of dynamic shared memory; same parameters as above.
+#define SPGEMM_WS_PERSISTENT_KERNEL(NAME, BN, BK, OUT)                                                       \
+    extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1) NAME(const __grid_constant__ SpGemmWsParams p) { \
+        extern __shared__ __align__(1024) unsigned char spgemm_smem[];                                       \
+        spgemm_ws::run_persistent<BN, BK, OUT>(p, spgemm_smem);                                              \
+    }
+
+SPGEMM_WS_PERSISTENT_KERNEL(spgemm_ws_n256_k128_i32_persistent, 256, 128, 0)
+SPGEMM_WS_PERSISTENT_KERNEL(spgemm_ws_n256_k128_bf16_persistent, 256, 128, 1)
+
+// grid min(ceil(m / 128) * n_tiles, SMs) (1-D, no cluster), SPGEMM_WS_THREADS threads,
+// spgemm_ws::Cfg<128, 128>::SMEM bytes of dynamic shared memory; the X' map's box {128, 128}.
+extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1)
+    spgemm_ws_n128_k128_i32_pingpong(const __grid_constant__ SpGemmWsParams p) {
+    extern __shared__ __align__(1024) unsigned char spgemm_smem[];
+    spgemm_ws::run_pingpong<0>(p, spgemm_smem);
+}
+
+// grid ceil(m / BN) * n_tiles (1-D, no cluster), SPGEMM_WS_THREADS threads,
+// spgemm_ws::CfgCompact<BN>::SMEM bytes of dynamic shared memory; `ta` over the compact kept codes
+// (box {64, 128}, SWIZZLE_64B), `tr` over the packed ranks (box {16, 128}, no swizzle), `win`,
+// `rbits` and `table` set; `e` unused.
+#define SPGEMM_WS_COMPACT_KERNEL(NAME, BN, OUT)                                                              \
+    extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1) NAME(const __grid_constant__ SpGemmWsParams p) { \
+        extern __shared__ __align__(1024) unsigned char spgemm_smem[];                                       \
+        spgemm_ws::run_compact<BN, OUT>(p, spgemm_smem);                                                     \
+    }
+
+SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0)
+SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1)
 
 // -------------------------------------------------------------------------------------------------
 // Status
@@ -830,3 +1391,11 @@ SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32_mc2, 256, 128, 0, 2)
 // 1.17-1.74x cuBLASLt dense at K', 0.80-1.39x dense at K. Nsight Compute (H200) finds them bound by
 // neither compute nor memory at group 16 (SM 60-75%, L2 61-75%). Left: the
 // epilogue overlapped with the next tile (persistent CTAs), FP8.
+// The persistent kernels (`spgemm_ws_n256_k128_{i32,bf16}_persistent`,
+// `spgemm_ws_n128_k128_i32_pingpong`, see "The persistent kernels" above): compiled (nvcc 13.5
+// sm_90a: 168 registers, no spills, no C7515; NVRTC sm_80 .. sm_120, sm_90a), checked and timed
+// by bench-spgemm (grid min(tiles, SMs), and a one-CTA grid that walks every tile), not yet run.
+// The compact kernels (`spgemm_ws_n256_k128_{i32,bf16}_compact`, "The compact kernels" above):
+// compiled (nvcc 13.0 sm_90a: 168 registers, no spills, no C7515; NVRTC every target), checked by
+// bench-spgemm against cuBLASLt on 6:8 (slid68, the Llama shapes) and 2:4 (the other small cases)
+// compact layouts from its own packer, and timed beside the kernels above; not yet run.
