@@ -71,7 +71,10 @@ pub use checkpoint::{
 };
 pub use codes::{WeightCodesModule, WeightCodesRecord};
 pub use collective::{Collective, SimulatedRanks};
-pub use compact::{CompactCodes, DecodeTiles, pair_of_rank, pair_rank, rank_bits};
+pub use compact::{
+    CompactCodes, CompactRows, DecodeTiles, pair_of_rank, pair_rank, rank_bits, window_metadata,
+    window_nibble,
+};
 pub use concat::concat_outputs;
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;

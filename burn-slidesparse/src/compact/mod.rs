@@ -9,7 +9,17 @@
 //! back every code of the pruned matrix, and a block with more than two zeros keeps the extra
 //! zeros among its kept codes.
 //!
-//! [`DecodeTiles`] lays a 6:8 INT8 matrix out for the decode kernel (`gemv_compact68_*`).
+//! The same layout is the A operand of a 2:4 sparse GEMM over the slid `K'` (the lift's
+//! activations): a block's kept codes in order are its `N-1` windows' 2:4 values two by two
+//! (kept code `i` sits at block position `i`, `i + 1` or `i + 2`, so codes `2j` and `2j + 1` lie
+//! in window `j`, positions `2j .. 2j + 3`), and each window's 2:4 metadata is a function of the
+//! block's rank alone ([`window_metadata`], [`CompactCodes::slid_row`]). The Hopper sparse GEMM
+//! reads the `kept` array as its values and expands the metadata from the ranks on the fly
+//! (`sparse_gemm_sm90.cu`, "The compact kernels"): no second copy of the weight.
+//!
+//! [`CompactRows`] (`rows.rs`) is the layout as a GPU holds it for the Hopper sparse GEMM:
+//! row-major kept codes and ranks. [`DecodeTiles`] lays a 6:8 INT8 matrix out for the decode
+//! kernel (`gemv_compact68_*`).
 
 use cubecl_kernels::geometry::SlideGeometry;
 use rayon::prelude::*;
@@ -19,6 +29,10 @@ use crate::{
     pattern::SparsityPattern,
     slide::{SlideElement, unslide_row},
 };
+
+mod rows;
+
+pub use rows::{CodeByte, CompactRows};
 
 /// Pairs of `len` positions: `C(len, 2)`.
 pub fn pair_count(len: usize) -> usize {
@@ -48,6 +62,41 @@ pub fn pair_of_rank(rank: usize, len: usize) -> (usize, usize) {
         p += 1;
     }
     (p, p + 1 + rest)
+}
+
+/// The 2:4 metadata of window `j` of a block whose zero pair has rank `rank` (`len = 2N`
+/// positions): the positions inside the window (4 wide, starting at block position `2j`) of
+/// kept codes `2j` and `2j + 1`, as `idx0 | idx1 << 2` with `idx0 < idx1` (the 4-bit encoding of
+/// `mma.sp` and `wgmma.mma_async.sp`; every value is one of the six valid ones).
+pub fn window_nibble(rank: usize, j: usize, len: usize) -> u8 {
+    let (p, q) = pair_of_rank(rank, len);
+    // Kept position i of the block: i, then +1 past p, +1 past q.
+    let kept = |i: usize| {
+        let mut at = i;
+        for zero in [p, q] {
+            if at >= zero {
+                at += 1;
+            }
+        }
+        at
+    };
+    let (lo, hi) = (kept(2 * j) - 2 * j, kept(2 * j + 1) - 2 * j);
+    debug_assert!(lo < hi && hi < 4);
+    (lo | hi << 2) as u8
+}
+
+/// For every zero-pair rank of `pattern`, its block's `N-1` window nibbles ([`window_nibble`]),
+/// window `j` at bits `4j .. 4j + 4`: the table a sparse GEMM on the compact layout expands
+/// each block's metadata with (`u64`: up to 15 windows, 30:32).
+pub fn window_metadata(pattern: SparsityPattern) -> Vec<u64> {
+    let len = pattern.block_len();
+    (0..pair_count(len))
+        .map(|rank| {
+            (0..len / 2 - 1).fold(0u64, |word, j| {
+                word | u64::from(window_nibble(rank, j, len)) << (4 * j)
+            })
+        })
+        .collect()
 }
 
 /// A matrix of codes `[rows, k]` in the compact layout (`k` padded with zeros to whole blocks).
@@ -193,6 +242,29 @@ impl<T: SlideElement> CompactCodes<T> {
                     }
                 }
             });
+        out
+    }
+
+    /// Row `row` as the 2:4 row of width `geometry.k_prime()` that a sparse GEMM on this layout
+    /// multiplies with the lifted activations: window `j` of block `b` holds the block's kept
+    /// codes `2j` and `2j + 1` at the positions of [`window_nibble`] (`geometry` must be
+    /// `pattern.geometry(k, _)`). Equal to the greedy slide's row where every kept code is
+    /// nonzero; where some are zero the slide may move later codes into earlier windows, and
+    /// both rows un-slide to the same pruned row.
+    pub fn slid_row(&self, row: usize, geometry: &SlideGeometry) -> Vec<T> {
+        let len = self.pattern.block_len();
+        let (windows, kept_len) = (len / 2 - 1, len - 2);
+        let mut out = vec![T::ZERO; geometry.k_prime()];
+        for b in 0..self.blocks() {
+            let rank = self.ranks[row * self.blocks() + b] as usize;
+            let kept = &self.kept[(row * self.blocks() + b) * kept_len..][..kept_len];
+            for j in 0..windows {
+                let nibble = window_nibble(rank, j, len) as usize;
+                let window = &mut out[4 * (b * windows + j)..][..4];
+                window[nibble & 3] = kept[2 * j];
+                window[nibble >> 2] = kept[2 * j + 1];
+            }
+        }
         out
     }
 
@@ -576,7 +648,7 @@ mod tests {
 
     /// A random pruned matrix of `rows x k` with every block at exactly `2N-2` nonzeros
     /// (`extra_zeros`: some kept codes zero too), INT8 codes in [-127, 127].
-    fn random_pruned(
+    pub(super) fn random_pruned(
         rng: &mut XorShift32,
         rows: usize,
         k: usize,
@@ -696,6 +768,93 @@ mod tests {
         );
     }
 
+    /// Every window nibble of every rank of every pattern is one of the six valid 2:4 metadata
+    /// values, and the table packs them in window order.
+    #[test]
+    fn window_metadata_holds_valid_nibbles_in_window_order() {
+        const VALID: [u8; 6] = [0x4, 0x8, 0x9, 0xC, 0xD, 0xE];
+        for pattern in SparsityPattern::all() {
+            let len = pattern.block_len();
+            let table = window_metadata(pattern);
+            assert_eq!(table.len(), pair_count(len));
+            for (rank, &word) in table.iter().enumerate() {
+                for j in 0..len / 2 - 1 {
+                    let nibble = window_nibble(rank, j, len);
+                    assert!(VALID.contains(&nibble), "{pattern} rank {rank} window {j}");
+                    assert_eq!((word >> (4 * j)) & 0xF, u64::from(nibble));
+                }
+                assert_eq!(word >> (4 * (len / 2 - 1)), 0, "{pattern} rank {rank}");
+            }
+        }
+    }
+
+    /// Every rank of every pattern: a block holding distinct nonzero codes at its kept positions
+    /// expands ([`CompactCodes::slid_row`], the metadata from the rank alone) to exactly the
+    /// greedy slide's 2:4 row, so the compact `kept` array is the slid row's compressed values.
+    #[test]
+    fn the_rank_table_gives_the_greedy_slide_of_every_block() {
+        for pattern in SparsityPattern::all() {
+            let len = pattern.block_len();
+            let geometry = pattern.geometry(len, 4);
+            for rank in 0..pair_count(len) {
+                let (p, q) = pair_of_rank(rank, len);
+                let block: Vec<i8> = (0..len)
+                    .map(|i| if i == p || i == q { 0 } else { i as i8 + 1 })
+                    .collect();
+                let compact = CompactCodes::from_pruned(&block, 1, len, pattern, "w").unwrap();
+                let mut slid = vec![0i8; geometry.k_prime()];
+                crate::slide::slide_row(&block, &geometry, &mut slid).unwrap();
+                assert_eq!(
+                    compact.slid_row(0, &geometry),
+                    slid,
+                    "{pattern} rank {rank}"
+                );
+                // The 2:4 values of the slid row, window by window, are the kept codes.
+                let values: Vec<i8> = slid.iter().copied().filter(|&v| v != 0).collect();
+                assert_eq!(values, compact.kept, "{pattern} rank {rank}");
+            }
+        }
+    }
+
+    /// Random matrices of every pattern (kept codes zero now and then, `k` ending inside a
+    /// block): the expanded rows are 2:4, un-slide to the pruned rows, and give the pruned
+    /// product exactly with the lifted activations.
+    #[test]
+    fn expanded_rows_unslide_and_multiply_exactly() {
+        let mut rng = XorShift32(29);
+        for pattern in SparsityPattern::all() {
+            for &(rows, k) in &[(3, 64), (4, 70), (2, 1000)] {
+                let w = random_pruned(&mut rng, rows, k, pattern, true);
+                let compact = CompactCodes::from_pruned(&w, rows, k, pattern, "w").unwrap();
+                let geometry = pattern.geometry(k, 16);
+                let x: Vec<i32> = (0..k).map(|_| below(&mut rng, 255) as i32 - 127).collect();
+                let lift = geometry.lift_map_with_zero_column();
+                for row in 0..rows {
+                    let slid = compact.slid_row(row, &geometry);
+                    assert_eq!(
+                        crate::slide::first_2_4_violation(&slid, 1, slid.len()),
+                        None,
+                        "{pattern} {rows}x{k} row {row}"
+                    );
+                    let mut back = vec![0i8; k];
+                    crate::slide::unslide_row(&slid, &geometry, &mut back).unwrap();
+                    assert_eq!(back, w[row * k..(row + 1) * k], "{pattern} row {row}");
+                    let lifted: i32 = slid
+                        .iter()
+                        .zip(&lift)
+                        .map(|(&v, &src)| i32::from(v) * x.get(src).copied().unwrap_or(0))
+                        .sum();
+                    let dense: i32 = w[row * k..(row + 1) * k]
+                        .iter()
+                        .zip(&x)
+                        .map(|(&v, &xv)| i32::from(v) * xv)
+                        .sum();
+                    assert_eq!(lifted, dense, "{pattern} {rows}x{k} row {row}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn six_of_eight_int8_takes_0_83_of_the_dense_bytes() {
         let pattern: SparsityPattern = "6:8".parse().unwrap();
@@ -703,6 +862,7 @@ mod tests {
         let compact = CompactCodes::from_pruned(&w, 64, 4096, pattern, "w").unwrap();
         let ratio = compact.packed_bytes() as f64 / (64.0 * 4096.0);
         assert!((ratio - 53.0 / 64.0).abs() < 1e-9, "{ratio}");
+        assert_eq!(CompactRows::new(&compact).bytes(), compact.packed_bytes());
         let tiles = DecodeTiles::new(&compact).unwrap();
         assert_eq!(tiles.bytes(), compact.packed_bytes());
     }
