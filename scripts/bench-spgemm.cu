@@ -578,8 +578,20 @@ static bool ws_enabled(const WsVariant& v) {
     if (!g_skip.empty()) return g_skip.find(std::string("[") + v.name + "]") == std::string::npos;
     return v.cluster == 1;
 }
-// Waits for `s`; a kernel still running after 20 s (an mbarrier wait that never completes) ends the
-// program with exit code 3, naming it, so that the rest of the run can be redone without it.
+// Names the variant being checked in <binary>.hung and ends the program with exit code 3, so that
+// gpu-run.sh reruns the rest without it (--no-cluster).
+[[noreturn]] static void skip_in_rerun() {
+    if (g_current && !g_hung_file.empty()) {
+        if (FILE* f = fopen(g_hung_file.c_str(), "a")) {
+            fprintf(f, "[%s]\n", g_current);
+            fclose(f);
+        }
+    }
+    exit(3);
+}
+// Waits for `s`; a kernel still running after 20 s (an mbarrier wait that never completes) or one
+// that faulted (a sticky error: the context is lost) ends the program with exit code 3, naming it,
+// so that the rest of the run can be redone without it.
 static void wait_or_exit(cudaStream_t s, const char* what) {
     const auto start = std::chrono::steady_clock::now();
     cudaError_t e;
@@ -588,18 +600,16 @@ static void wait_or_exit(cudaStream_t s, const char* what) {
             printf("\nHUNG: %s did not finish in 20 s\n", what);
             fprintf(stderr, "HUNG: %s did not finish in 20 s\n", what);
             fflush(stdout);
-            // For the rerun with --no-cluster (gpu-run.sh): skip this variant (and the ones that hung before).
-            if (g_current && !g_hung_file.empty()) {
-                if (FILE* f = fopen(g_hung_file.c_str(), "a")) {
-                    fprintf(f, "[%s]\n", g_current);
-                    fclose(f);
-                }
-            }
-            exit(3);
+            skip_in_rerun();
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    CK(e);
+    if (e != cudaSuccess) {
+        printf("\nFAULT: %s: %s\n", what, cudaGetErrorString(e));
+        fprintf(stderr, "FAULT: %s: %s\n", what, cudaGetErrorString(e));
+        fflush(stdout);
+        skip_in_rerun();
+    }
 }
 // max_grid > 0 caps a persistent variant's grid (default: the SM count).
 static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, cudaStream_t s, int max_grid = 0) {
@@ -716,7 +726,7 @@ struct Problem {
             // The one copy: kept codes as A (no padding rows or K' tiles: the map zero-fills them)
             // and the packed ranks; no metadata array.
             make_map(&q.ta, kept, cpt.kept_bytes, cpt.n, cpt.kept_row, 64, 128, CU_TENSOR_MAP_SWIZZLE_64B);
-            make_map(&q.tr, ranks, cpt.rank_bytes, cpt.n, cpt.rank_row, 16, 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+            make_map(&q.tr, ranks, cpt.rank_bytes, cpt.n, cpt.rank_row, 32, 128, CU_TENSOR_MAP_SWIZZLE_NONE);
             q.e = 0;
             q.win = cpt.win;
             q.rbits = cpt.rbits;
@@ -736,6 +746,10 @@ struct Problem {
         else
             snprintf(what, sizeof what, "%s %s group %d", tag, v.name, group);
         g_current = v.name;
+        // Named before it runs: a kernel that faults (a sticky error) ends the program at the
+        // next CUDA call, and the log then says which one it was.
+        fprintf(stderr, "checking %s\n", what);
+        fflush(stderr);
         SpGemmWsParams q = ws_params(v);
         q.group = group;
         if (v.bf16) {

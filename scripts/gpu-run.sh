@@ -91,8 +91,9 @@ if [ "$what" = spgemm ]; then
   rc=$?
   echo "spgemm bench exit code: $rc"
   if [ "$rc" = 3 ]; then
-    # A cluster kernel hung (the bench names it and exits 3): the rest of the run without clusters.
-    grep HUNG "$OUT/spgemm.err"
+    # A kernel hung or faulted (the bench names it in /tmp/bench-spgemm.hung and exits 3): the rest
+    # of the run without it.
+    grep -E "HUNG|FAULT" "$OUT/spgemm.err"
     mv "$OUT/spgemm.md" "$OUT/spgemm-hung.md"
     timeout "${SPGEMM_TIMEOUT_S:-300}" /tmp/bench-spgemm --no-cluster "$@" > "$OUT/spgemm.md" 2>> "$OUT/spgemm.err"
     echo "spgemm bench --no-cluster exit code: $?"

@@ -511,7 +511,7 @@ struct __align__(64) SpGemmWsParams {
     int n_tiles;    // n_pad / 128
     int group;      // weight-row tiles per raster group (>= 1), see spgemm_ws::tile_of
     // The compact kernels (`spgemm_ws_*_compact`, see "The compact kernels" below) only:
-    SpTensorMap tr;  // the packed zero-pair ranks, u8 [n][rank row bytes], box {16, 128}
+    SpTensorMap tr;  // the packed zero-pair ranks, u8 [n][rank row bytes], box {32, 128}
     int win;         // 2:4 windows per block, N - 1
     int rbits;       // bits per rank, ceil(log2 C(2N, 2))
     u32 table[SPGEMM_RANK_TABLE];  // per rank: the 4-bit metadata of window j at bits [4 j, 4 j + 4)
@@ -1160,10 +1160,12 @@ __device__ __forceinline__ void run_pingpong(const SpGemmWsParams& p, unsigned c
 //     block sits at block position >= i and <= i + 2, so codes 2j, 2j + 1 fit window j, positions
 //     2j .. 2j + 3), so row n of `kept` is row n of the compressed W' and `ta` maps it as before.
 //   - Metadata: built per stage from the ranks. The producer thread also loads, for the stage's
-//     128 rows, the 16 bytes of packed ranks (rank_bits each, compact.rs `packed_ranks`) from byte
-//     (b0 rank_bits) / 8 of the row, b0 = the block of the stage's first window (16 bytes hold the
-//     blocks of 32 windows plus a partial byte for every pattern 2:4 .. 14:16), on a third
-//     mbarrier per stage (`rank_bar`). Warps 1-3 of the producer warpgroup (96 threads, otherwise
+//     128 rows, 32 bytes of packed ranks (rank_bits each, compact.rs `packed_ranks`) from the byte
+//     of the rank of b0 = the block of the stage's first window, rounded down to 16 (with boxes
+//     starting at that byte itself, the H100 faulted with an illegal instruction on the first
+//     box starting off a 16-byte boundary); 32 bytes hold up to 15 bytes of offset and the ranks
+//     of the stage's 32 windows for every pattern 2:4 .. 14:16 (at most 33 ranks of 3 bits,
+//     2:4), on a third mbarrier per stage (`rank_bar`). Warps 1-3 of the producer warpgroup (96 threads, otherwise
 //     idle) wait for it, turn each row's ranks into its 32 windows' nibbles through `table` (in
 //     shared memory: a rank's N - 1 window nibbles, the host's table of compact.rs
 //     `window_metadata`) and store them as the consumers' metadata words (the map of `e` above),
@@ -1171,7 +1173,7 @@ __device__ __forceinline__ void run_pingpong(const SpGemmWsParams& p, unsigned c
 //     each worker's). The consumers are `run`'s, unchanged.
 //   Rows past n and windows past K' read ranks 0 (TMA zero fill): pair (0, 1), valid nibbles,
 //   whose values are zero (A zero filled) or meet zero activations (X' zero filled).
-//   Stage: A 8 KB, X' 32 KB, metadata words 2 KB, ranks 2 KB; 5 stages.
+//   Stage: A 8 KB, X' 32 KB, metadata words 2 KB, ranks 4 KB; 4 stages.
 
 template <int BN_>
 struct CfgCompact {
@@ -1181,7 +1183,7 @@ struct CfgCompact {
     static constexpr int B_BYTES = B_HALF;
     static constexpr int KSTEPS = BK / 64;
     static constexpr int E_BYTES = 2 * 128 * KSTEPS * 4;
-    static constexpr int R_ROW = 16;  // rank bytes per row per stage (one TMA box row)
+    static constexpr int R_ROW = 32;  // rank bytes per row per stage (one TMA box row)
     static constexpr int R_BYTES = 128 * R_ROW;
     static constexpr int R_OFF = A_BYTES + B_BYTES + E_BYTES;
     static constexpr int STAGE = A_BYTES + B_BYTES + E_BYTES + R_BYTES;
@@ -1209,6 +1211,9 @@ __device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared
 
 // The block of stage kt's first window (window 32 kt of the row).
 __device__ __forceinline__ int first_block(const SpGemmWsParams& p, int kt) { return kt * 32 / p.win; }
+// The byte of a packed rank row where stage kt's rank box starts: the byte of its first block's
+// rank rounded down to 16 (a TMA box starting off a 16-byte boundary faults).
+__device__ __forceinline__ int rank_byte(const SpGemmWsParams& p, int kt) { return first_block(p, kt) * p.rbits / 8 & ~15; }
 
 // The compact producer thread: A (kept codes), the X' tile and the stage's rank bytes.
 template <class C>
@@ -1222,14 +1227,14 @@ __device__ __forceinline__ void produce_compact(const SpGemmWsParams& p, u32 bas
         const u32 st = base + s * C::STAGE, full = full_bar<C>(bars, s), rk = rank_bar<C>(bars, s);
         // The ranks first: the workers' expansion is on the path to `full`.
         mbar_expect_tx(rk, C::R_BYTES);
-        tma_2d(st + C::R_OFF, &p.tr, rk, first_block(p, kt) * p.rbits / 8, n0);
+        tma_2d(st + C::R_OFF, &p.tr, rk, rank_byte(p, kt), n0);
         mbar_expect_tx(full, C::A_BYTES + C::B_BYTES);
         tma_2d(st, &p.ta, full, kt * (C::BK / 2), n0);
         tma_2d(st + C::A_BYTES, &p.tb, full, kt * C::BK, m0);
     }
 }
 
-// Row r (0..127) of a stage: its 32 windows' metadata nibbles from the ranks at `ranks` (16
+// Row r (0..127) of a stage: its 32 windows' metadata nibbles from the ranks at `ranks` (32
 // bytes, the first rank at bit `bit0`, its block's window `j0` the stage's first), stored as the
 // four words the consumer threads read (the map of `e`: word k = windows [8 k, 8 k + 8) goes to
 // k-step k >> 1 of lane 4 (r & 7) + (r & 15) / 8 + 2 (k & 1) of warp (r & 63) / 16 of consumer r / 64).
@@ -1242,10 +1247,10 @@ __device__ __forceinline__ void expand_row(const SpGemmWsParams& p, u32 ranks, u
     u64 acc = 0;
     int nacc = 0, k = 0, off = bit0, j = j0;
     for (int wi = 0; wi < C::BK / 4;) {
-        // The rank at bit `off` of the 16 bytes (off + rbits <= 128: see the header), across two
-        // words; the second is word 3 again when the first is (then it is not needed).
+        // The rank at bit `off` of the 32 bytes (off + rbits <= 256: see the header), across two
+        // words; the second is word 7 again when the first is (then it is not needed).
         const int q = off >> 5;
-        const u32 lo = lds32(ranks + 4 * q), hi = lds32(ranks + 4 * min(q + 1, 3));
+        const u32 lo = lds32(ranks + 4 * q), hi = lds32(ranks + 4 * min(q + 1, 7));
         const u32 rank = __funnelshift_r(lo, hi, off & 31) & mask;
         const int n = min(win - j, C::BK / 4 - wi);  // this block's windows in the stage, 1..7
         const u32 nib = (lds32(table + 4 * rank) >> (4 * j)) & (0xffffffffu >> (32 - 4 * n));
@@ -1274,7 +1279,7 @@ __device__ __forceinline__ void expand_metadata(const SpGemmWsParams& p, u32 bas
         mbar_wait(rank_bar<C>(bars, s), (kt / C::STAGES) & 1);
         const u32 st = base + s * C::STAGE;
         const int w0 = kt * (C::BK / 4), b0 = first_block(p, kt);
-        const int j0 = w0 - b0 * p.win, bit0 = (b0 * p.rbits) & 7;
+        const int j0 = w0 - b0 * p.win, bit0 = b0 * p.rbits - 8 * rank_byte(p, kt);
         for (int r = worker; r < 128; r += C::WORKERS)
             expand_row<C>(p, st + C::R_OFF + r * C::R_ROW, st + C::A_BYTES + C::B_BYTES, table, r, j0, bit0);
         // Release: this thread's words are visible to the consumers that acquire `full`.
@@ -1354,7 +1359,7 @@ extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1)
 
 // grid ceil(m / BN) * n_tiles (1-D, no cluster), SPGEMM_WS_THREADS threads,
 // spgemm_ws::CfgCompact<BN>::SMEM bytes of dynamic shared memory; `ta` over the compact kept codes
-// (box {64, 128}, SWIZZLE_64B), `tr` over the packed ranks (box {16, 128}, no swizzle), `win`,
+// (box {64, 128}, SWIZZLE_64B), `tr` over the packed ranks (box {32, 128}, no swizzle), `win`,
 // `rbits` and `table` set; `e` unused.
 #define SPGEMM_WS_COMPACT_KERNEL(NAME, BN, OUT)                                                              \
     extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1) NAME(const __grid_constant__ SpGemmWsParams p) { \
