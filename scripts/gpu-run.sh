@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|gemm|gemv|spgemm|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|test BINARY...|gemm|gemv|spgemm|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
@@ -56,10 +56,18 @@ save_caches() { [ -d target ] && tar -czf "$OUT/gpu-cache.tar.gz" target; }
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests gpu-permuted-tests gpu-generate-tests; do
+  for t in gpu-tests gpu-attention-tests gpu-block-ops-tests gpu-tensor-parallel-tests gpu-decode-tests gpu-permuted-tests gpu-compact-gemm-tests gpu-generate-tests; do
     ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
     echo "$t exit code: $?"
     grep -E "^test |test result|panicked|rel err|error" "$OUT/$t.log" | tail -30
+  done
+fi
+if [ "$what" = test ]; then
+  # Only the GPU test binaries named after `test` (e.g. gpu-compact-gemm-tests), as `tests` runs them.
+  for t in "$@"; do
+    ./gpu-bin/$t --ignored --nocapture --test-threads=1 > "$OUT/$t.log" 2>&1
+    echo "$t exit code: $?"
+    grep -E "^test |test result|panicked|rel err|error|bit-identical" "$OUT/$t.log" | tail -40
   done
 fi
 for mode in gemm layer quant host decode fusion attention; do

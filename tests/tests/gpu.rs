@@ -14,7 +14,7 @@ use burn_slidesparse::{
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 use rand::Rng;
-use slidesparse_tests::{check_quant_codes, host_w8a8, random_f32, rng};
+use slidesparse_tests::{check_quant_codes, host_w8a8, random_f32, relative_l2 as rel_err, rng};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
@@ -58,16 +58,6 @@ fn on_gpu<B: burn::tensor::backend::Backend, const D: usize>(
     dtype: DType,
 ) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values, shape), (&Default::default(), dtype))
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
 }
 
 #[test]

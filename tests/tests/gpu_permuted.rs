@@ -20,7 +20,7 @@ use burn_slidesparse::{
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
 use rand::{Rng, seq::SliceRandom};
-use slidesparse_tests::{check_quant_codes, host_w8a8, random_f32, rng};
+use slidesparse_tests::{check_quant_codes, host_w8a8, random_f32, relative_l2 as rel_err, rng};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 type GpuBf16 = CubeBackend<CudaRuntime, half::bf16, i32, u8>;
@@ -162,16 +162,6 @@ fn tolerance(p: Precision) -> f64 {
         Precision::F16 => 3e-3,
         Precision::F32 => 1e-5,
     }
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
 }
 
 fn read<B: burn::tensor::backend::Backend>(y: Tensor<B, 2>) -> Vec<f32> {

@@ -103,9 +103,14 @@ impl CompactRows {
     /// Bytes of the kept codes and ranks a kernel reads (without the rows' padding): the
     /// layout's share of a forward's weight traffic.
     pub fn bytes(&self) -> usize {
-        let blocks = self.k.div_ceil(self.pattern.block_len());
-        let ranks = CompactCodes::<u8>::rank_row_bytes(self.pattern, self.k);
-        self.rows * (blocks * (self.pattern.block_len() - 2) + ranks)
+        Self::read_bytes(self.pattern, self.rows, self.k)
+    }
+
+    /// [`bytes`](Self::bytes) of a `[rows, k]` matrix of `pattern`.
+    pub fn read_bytes(pattern: SparsityPattern, rows: usize, k: usize) -> usize {
+        let blocks = k.div_ceil(pattern.block_len());
+        let ranks = CompactCodes::<u8>::rank_row_bytes(pattern, k);
+        rows * (blocks * (pattern.block_len() - 2) + ranks)
     }
 
     /// Bytes the device holds: both arrays with their padding.

@@ -38,6 +38,7 @@ pub(super) const PROGRAM: Program = Program {
     name: "attention",
     files: &["attention.cu"],
     min_capability: (8, 0),
+    arch_specific: false,
 };
 
 /// Query and key rows per tile of both kernels.

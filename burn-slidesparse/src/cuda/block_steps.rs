@@ -33,6 +33,7 @@ pub(super) const PROGRAM: Program = Program {
     name: "block step",
     files: &["rms_norm.cu", "silu_mul.cu", "rope_cache.cu"],
     min_capability: (8, 0),
+    arch_specific: false,
 };
 
 /// The kernels of one dtype.

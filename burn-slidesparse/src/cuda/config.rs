@@ -44,6 +44,16 @@ impl GraphMode {
     }
 }
 
+/// Which GEMM a SlideSparse layer's forwards above the GEMV's sizes run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SparseGemmChoice {
+    /// cuSPARSELt on its own compressed copy of the weight, on every GPU (default).
+    CuSparseLt,
+    /// Our Hopper kernel on the compact rows, the layer's one copy (INT8 2:4 .. 14:16 on
+    /// sm_90; cuSPARSELt elsewhere).
+    Compact,
+}
+
 /// The settings a device's forwards run under; tests and benchmarks change them
 /// through `DeviceState::set_settings` (`state.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +74,8 @@ pub struct Config {
     /// `SLIDESPARSE_DECODE_GEMV`: forwards of up to 16 tokens run our weight-streaming GEMV
     /// (`gemv.rs`) where the layer has one (INT8 dense, INT8 6:8), not the library GEMM.
     pub decode_gemv: bool,
+    /// `SLIDESPARSE_SPARSE_GEMM`: the SlideSparse layers' GEMM.
+    pub sparse_gemm: SparseGemmChoice,
     /// Where the search results are kept (`SLIDESPARSE_CACHE_DIR`, `XDG_CACHE_HOME`,
     /// `HOME`), or `None` where none of them is set.
     pub cache_dir: Option<PathBuf>,
@@ -140,6 +152,16 @@ const DECODE_GEMV: Choice<bool> = Choice {
     default: true,
 };
 
+const SPARSE_GEMM: Choice<SparseGemmChoice> = Choice {
+    variable: "SLIDESPARSE_SPARSE_GEMM",
+    accepted: "cusparselt, compact",
+    values: &[
+        ("cusparselt", SparseGemmChoice::CuSparseLt),
+        ("compact", SparseGemmChoice::Compact),
+    ],
+    default: SparseGemmChoice::CuSparseLt,
+};
+
 impl Config {
     /// The configuration of this process's environment.
     pub fn from_env() -> Result<Self> {
@@ -165,6 +187,7 @@ impl Config {
             },
             algo_search: ALGO_SEARCH.read(lookup(ALGO_SEARCH.variable))?,
             decode_gemv: DECODE_GEMV.read(lookup(DECODE_GEMV.variable))?,
+            sparse_gemm: SPARSE_GEMM.read(lookup(SPARSE_GEMM.variable))?,
             cache_dir,
             cusparselt: path("SLIDESPARSE_CUSPARSELT"),
             nccl: path("SLIDESPARSE_NCCL"),

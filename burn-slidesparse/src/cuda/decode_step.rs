@@ -19,6 +19,7 @@ pub(super) const PROGRAM: Program = Program {
     name: "decode step",
     files: &["act_quant.cu", "decode_step.cu"],
     min_capability: (8, 0),
+    arch_specific: false,
 };
 
 /// Threads of an `act_quant` CTA (`QUANT_THREADS`).

@@ -1,7 +1,10 @@
-//! The two library GEMMs a forward can run, behind one trait: cuSPARSELt on the slid 2:4
-//! weight at `K'` (the SlideSparse layer) and cuBLASLt on the dense weight at `K` (the
-//! dense quantized baseline). Both are ordered on burn's stream the same way
+//! The GEMMs a forward can run, behind one trait: for the SlideSparse layer cuSPARSELt on
+//! its compressed slid 2:4 weight at `K'`, or our Hopper kernel on the compact rows
+//! (`compact_gemm.rs`, the layer's one copy); for the dense quantized baseline cuBLASLt on the
+//! dense weight at `K`. All are ordered on burn's stream the same way
 //! (`queued::run_ordered`) and replayed as CUDA graphs on kept buffers (`graphs.rs`).
+
+use std::sync::Arc;
 
 use burn::tensor::DType;
 use cudarc::driver::sys;
@@ -9,10 +12,11 @@ use cudarc::driver::sys;
 use super::{
     accumulator::Accumulator,
     buffers::{ForwardBuffer, HeldBuffer},
+    compact_gemm::CompactGemm,
     config::Settings,
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt::{GemmPointers, GemmShape, sys::Stream},
-    graphs::{GemmCall, GraphKey, Replay},
+    graphs::{CompactShape, GemmCall, GraphKey, Replay},
     queued::{Lanes, run_ordered},
     runtime::{Client, device_ptr, sync_burn_stream},
     state::DeviceState,
@@ -36,7 +40,7 @@ pub trait LayerGemm: Clone + Send + Sync + 'static {
     const LAYER: &'static str;
 
     /// What the GEMM writes for a layer of `precision` whose output has dtype `out`.
-    fn accumulator(precision: Precision, out: DType) -> Accumulator;
+    fn accumulator(&self, precision: Precision, out: DType) -> Accumulator;
 
     /// Enqueues `acc = codes . W^T` for `m_pad` rows, ordered between burn's kernels.
     fn run(
@@ -70,9 +74,18 @@ fn run_on_lane(
     run_ordered(client, lanes, settings.sync, poison, replay, enqueue)
 }
 
+/// A SlideSparse layer's GEMM and the one copy of its weight it reads.
+#[derive(Clone)]
+pub enum SparseGemm {
+    /// cuSPARSELt on its compressed copy.
+    Lt(LtWeight),
+    /// Our Hopper kernel on the compact rows.
+    Compact(Arc<CompactGemm>),
+}
+
 /// The compressed 2:4 weight `W' [n_pad, K']` for cuSPARSELt.
 #[derive(Clone)]
-pub struct SparseGemm {
+pub struct LtWeight {
     /// cuSPARSELt's compressed copy of the weight.
     pub(crate) compressed: HeldBuffer,
     /// The weight scales padded with zeros to `n_pad`: cuSPARSELt's alpha vector (INT8).
@@ -88,7 +101,7 @@ pub struct SparseGemm {
 /// Workspace offered to `MatmulSearch` (it tries every algorithm).
 const SEARCH_WORKSPACE: usize = 256 << 20;
 
-impl SparseGemm {
+impl LtWeight {
     fn pointers(&self, client: &Client, buffers: GemmBuffers<'_>) -> Result<GemmPointers> {
         Ok(GemmPointers {
             weight: self.compressed.ptr,
@@ -124,10 +137,62 @@ impl SparseGemm {
 impl LayerGemm for SparseGemm {
     const LAYER: &'static str = "SlideSparseLinear";
 
-    fn accumulator(precision: Precision, out: DType) -> Accumulator {
-        Accumulator::sparse(precision, out)
+    fn accumulator(&self, precision: Precision, out: DType) -> Accumulator {
+        match self {
+            Self::Lt(_) => Accumulator::sparse(precision, out),
+            // Exact INT32 for the pipeline's epilogue.
+            Self::Compact(_) => Accumulator::dense(Precision::Int8, out),
+        }
     }
 
+    fn run(
+        &self,
+        client: &Client,
+        state: &mut DeviceState,
+        m_pad: usize,
+        accumulator: Accumulator,
+        buffers: GemmBuffers<'_>,
+    ) -> Result<()> {
+        match self {
+            Self::Lt(weight) => weight.run(client, state, m_pad, accumulator, buffers),
+            Self::Compact(gemm) => run_compact(gemm, client, state, m_pad, buffers),
+        }
+    }
+}
+
+/// `acc [m_pad, n_pad] = X' . W'^T` (INT32) by our compact kernel, on the lane as the
+/// library calls run (replayed as a graph where the buffers are kept).
+fn run_compact(
+    gemm: &CompactGemm,
+    client: &Client,
+    state: &mut DeviceState,
+    m_pad: usize,
+    buffers: GemmBuffers<'_>,
+) -> Result<()> {
+    let settings = state.settings();
+    let (_, _, lanes, _) = state.parts();
+    let mut lanes = lanes.lock().unwrap_or_else(|e| e.into_inner());
+    let shape = CompactShape {
+        m_pad,
+        n: gemm.n,
+        k_slide: gemm.k_slide,
+    };
+    let call = (GemmCall::Compact(shape), gemm.rows_ptrs().0, 0, 0);
+    run_on_lane(client, &mut lanes, settings, (buffers, m_pad), call, |stream| {
+        // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
+        let (p_x, p_acc) = (
+            buffers.codes.pointer(client)?,
+            buffers.acc.pointer(client)?,
+        );
+        // SAFETY: `codes` holds `m_pad` rows of the lift's `k_out` bytes and `acc` `m_pad`
+        // rows of `n_pad` INT32 (`forward_buffers`); burn's stream stays behind the GEMM.
+        unsafe { gemm.enqueue(stream, m_pad, p_x, p_acc) }
+    })
+}
+
+impl LtWeight {
+    /// Enqueues cuSPARSELt's `acc = codes . W'^T` (searching its algorithm for a new shape
+    /// first).
     fn run(
         &self,
         client: &Client,
@@ -183,7 +248,7 @@ pub struct DenseGemm {
 impl LayerGemm for DenseGemm {
     const LAYER: &'static str = "QuantizedLinear";
 
-    fn accumulator(precision: Precision, out: DType) -> Accumulator {
+    fn accumulator(&self, precision: Precision, out: DType) -> Accumulator {
         Accumulator::dense(precision, out)
     }
 

@@ -29,6 +29,7 @@ pub(super) const PROGRAM: Program = Program {
     name: "decode GEMV",
     files: &["decode_gemv.cu"],
     min_capability: (8, 0),
+    arch_specific: false,
 };
 
 /// The most tokens a GEMV forward takes; larger forwards run the library GEMM.

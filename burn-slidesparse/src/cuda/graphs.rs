@@ -32,6 +32,19 @@ pub enum GemmCall {
     Sparse(GemmShape),
     /// A cuBLASLt call.
     Dense(DenseShape),
+    /// Our compact sparse GEMM (`compact_gemm.rs`).
+    Compact(CompactShape),
+}
+
+/// The shape of a compact sparse GEMM call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CompactShape {
+    /// Token rows.
+    pub m_pad: usize,
+    /// Output features.
+    pub n: usize,
+    /// `K'` the weight covers.
+    pub k_slide: usize,
 }
 
 /// A GEMM call with all its device pointers (weights, activations, output, scales,

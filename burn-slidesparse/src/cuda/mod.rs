@@ -20,7 +20,8 @@
 //!    launches);
 //! 4. device: `state` (per-device state), `memory` (allocations checked against free
 //!    memory);
-//! 5. operations: `gemm` (the two library GEMMs behind one trait), `gemv` (our
+//! 5. operations: `compact_gemm` (our Hopper sparse GEMM on the compact rows), `gemm` (the
+//!    GEMMs behind one trait: cuSPARSELt or the compact GEMM, cuBLASLt), `gemv` (our
 //!    weight-streaming GEMV of forwards of up to 16 tokens), `pipeline` (the one forward:
 //!    quant(+lift) -> GEMM -> epilogue, or quant -> GEMV), `prepare` (building a layer once),
 //!    `decode_step` (the kernels only a decode step's graph launches), `decode_graph` (a
@@ -123,6 +124,7 @@ internal_modules!(
     algo_cache,
     buffers,
     burn_ranks,
+    compact_gemm,
     cublaslt,
     cupti,
     cusparselt,
@@ -147,7 +149,8 @@ internal_modules!(
 
 benchmark_modules!(gate, profiler, side_kernels);
 
-/// A SlideSparse layer prepared on the GPU (cuSPARSELt's compressed weight).
+/// A SlideSparse layer prepared on the GPU (cuSPARSELt's compressed weight, or the compact
+/// rows of our Hopper GEMM).
 pub type CudaPrepared = pipeline::GpuLayer<gemm::SparseGemm>;
 
 /// A dense quantized baseline layer prepared on the GPU (cuBLASLt).
@@ -170,13 +173,6 @@ pub use runtime::{CudaBackend, CudaFusionBackend};
 mod kernel_compile_tests {
     use super::nvrtc_module::{FILES, Program, compile_builtin};
 
-    /// The sm_90a sparse GEMM, not yet launched by the library.
-    const SPARSE_GEMM_SM90: Program = Program {
-        name: "sm_90a sparse GEMM",
-        files: &["sparse_gemm_sm90.cu"],
-        min_capability: (9, 0),
-    };
-
     /// Every program of the crate.
     fn programs() -> Vec<&'static Program> {
         vec![
@@ -185,7 +181,7 @@ mod kernel_compile_tests {
             &super::decode_step::PROGRAM,
             &super::gemv::PROGRAM,
             &super::side_kernels::PROGRAM,
-            &SPARSE_GEMM_SM90,
+            &super::compact_gemm::PROGRAM,
         ]
     }
 

@@ -66,6 +66,9 @@ pub struct Program {
     pub files: &'static [&'static str],
     /// The oldest compute capability its kernels run on (`(major, minor)`).
     pub min_capability: (i32, i32),
+    /// Compiled for the architecture-specific target of exactly `min_capability` (`sm_90a`:
+    /// Hopper's `wgmma`, `setmaxnreg`), and refused on every other GPU.
+    pub arch_specific: bool,
 }
 
 /// The device facts a launch configuration needs.
@@ -111,6 +114,15 @@ pub(super) fn arch((major, minor): (i32, i32)) -> &'static str {
     }
 }
 
+/// NVRTC's name for the architecture-specific target of a compute capability (`sm_90a`), if
+/// this crate builds one.
+pub(super) fn arch_specific((major, minor): (i32, i32)) -> Option<&'static str> {
+    match (major, minor) {
+        (9, 0) => Some("sm_90a"),
+        _ => None,
+    }
+}
+
 /// A program compiled for one device and loaded in its primary context, for the life of the
 /// process (the module is never unloaded: its functions are cached by their users).
 pub struct LoadedProgram {
@@ -145,8 +157,25 @@ impl LoadedProgram {
                 ),
             });
         }
+        let target = if program.arch_specific {
+            arch_specific(info.capability)
+                .filter(|_| info.capability == program.min_capability)
+                .ok_or_else(|| {
+                    let (need_major, need_minor) = program.min_capability;
+                    SlideSparseError::Unsupported {
+                        what: format!("the {} kernels", program.name),
+                        why: format!(
+                            "they are built for compute capability {need_major}.{need_minor} \
+                             exactly (architecture-specific instructions), the GPU has \
+                             {major}.{minor}"
+                        ),
+                    }
+                })?
+        } else {
+            arch(info.capability)
+        };
         let source = source_of(program, config()?.kernel_dir.as_deref())?;
-        let ptx = compile(program, source, arch(info.capability))?;
+        let ptx = compile(program, source, target)?;
         let image = CString::new(ptx.to_src()).map_err(|e| SlideSparseError::Cuda {
             call: "PTX",
             code: format!("the {} kernels: {e:?}", program.name),
@@ -155,6 +184,32 @@ impl LoadedProgram {
         let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
             .map_err(driver_err("cuModuleLoadData"))?;
         Ok(Self { module, info })
+    }
+
+    /// The value of the program's `extern "C" __constant__ int name`: a fact of a kernel
+    /// (its shared memory, say) that its file computes, read back instead of computed twice.
+    pub fn global_i32(&self, name: &str) -> Result<i32> {
+        let c_name = CString::new(name).map_err(|_| SlideSparseError::Unsupported {
+            what: "kernel constant name".into(),
+            why: format!("{name:?} holds a NUL"),
+        })?;
+        let (mut ptr, mut bytes) = (0 as sys::CUdeviceptr, 0usize);
+        // SAFETY: the module was loaded in this device's context (current, as for
+        // `function`); the driver writes the global's address and size.
+        unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.module, c_name.as_ptr()) }
+            .result()
+            .map_err(driver_err("cuModuleGetGlobal"))?;
+        if bytes != 4 {
+            return Err(SlideSparseError::Cuda {
+                call: "cuModuleGetGlobal",
+                code: format!("{name} holds {bytes} bytes, not an int"),
+            });
+        }
+        let mut value = 0i32;
+        // SAFETY: `ptr` is the module's 4-byte global, copied into a live i32.
+        unsafe { cu::memcpy_dtoh_sync(std::slice::from_mut(&mut value), ptr) }
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        Ok(value)
     }
 
     /// The `extern "C"` function `name` of the program, allowed `dynamic_smem` bytes of
@@ -276,6 +331,7 @@ mod tests {
         name: "test",
         files: &["a.cu", "b.cu"],
         min_capability: (8, 0),
+        arch_specific: false,
     };
 
     #[test]

@@ -1,6 +1,7 @@
 //! Building the GPU layers, once per layer and device: the weight uploaded in the GEMM's
-//! input type and padded as it needs, the scales and the bias; for a SlideSparse layer also
-//! cuSPARSELt's check and compression of the 2:4 weight.
+//! input type and padded as it needs, the scales and the bias; for a SlideSparse layer either
+//! cuSPARSELt's check and compression of the 2:4 weight, or the compact rows of our Hopper
+//! GEMM (`SLIDESPARSE_SPARSE_GEMM=compact`).
 
 use std::sync::{Arc, Mutex};
 
@@ -9,17 +10,20 @@ use cubecl::server::Handle;
 
 use super::{
     buffers::HeldBuffer,
+    compact_gemm::{self, CompactGemm},
+    config::{SparseGemmChoice, config},
     cusparselt::{self, MatDescriptor},
     driver::DeviceBuffer,
-    gemm::{DenseGemm, SparseGemm},
+    gemm::{DenseGemm, LtWeight, SparseGemm},
     gemv::Gemv,
     memory::ensure_fits,
+    nvrtc_module::DeviceInfo,
     pipeline::{GpuLayer, QuantShape, gemv_enabled},
     runtime::{Client, device_ptr, sync_burn_stream},
     state::{DeviceState, device_state},
 };
 use crate::{
-    compact::CompactCodes,
+    compact::{CompactCodes, CompactRows},
     error::{Result, SlideSparseError},
     pack::LayerSpec,
     permute::InputPermutation,
@@ -119,15 +123,33 @@ fn scale_and_bias(
 }
 
 impl GpuLayer<SparseGemm> {
-    /// Uploads, checks (cuSPARSELt's PruneCheck) and compresses a packed weight `W' [out,
-    /// K']` (codes and per-channel scales), with its bias. The uncompressed upload is freed
-    /// before this returns: the layer holds the compressed weight, scales and bias only.
+    /// Builds a SlideSparse layer from a packed weight `W' [out, K']` (codes and per-channel
+    /// scales) and its bias, with the GEMM `SLIDESPARSE_SPARSE_GEMM` chooses
+    /// ([`new_sparse_with`](Self::new_sparse_with)).
     pub fn new_sparse(
         client: &Client,
         device_index: usize,
         spec: LayerSpec,
         weight: &QuantizedWeight,
         bias: Option<&[f32]>,
+    ) -> Result<Self> {
+        let choice = config()?.sparse_gemm;
+        Self::new_sparse_with(client, device_index, spec, (weight, bias), choice)
+    }
+
+    /// [`new_sparse`](Self::new_sparse) with the GEMM chosen here. With
+    /// [`SparseGemmChoice::Compact`] the layer holds one copy of its weight: our compact GEMM's
+    /// rows where the layer allows it ([`compact_gemm_fits`]), else cuSPARSELt's compressed
+    /// copy; either serves every size (no GEMV). With
+    /// [`SparseGemmChoice::CuSparseLt`], cuSPARSELt's copy, and beside it the GEMV's compact
+    /// rows for a 6:8 INT8 layer. cuSPARSELt's copy is checked by its PruneCheck; the
+    /// uncompressed upload is freed before this returns.
+    pub fn new_sparse_with(
+        client: &Client,
+        device_index: usize,
+        spec: LayerSpec,
+        (weight, bias): (&QuantizedWeight, Option<&[f32]>),
+        choice: SparseGemmChoice,
     ) -> Result<Self> {
         let precision = spec.precision;
         check_precision("SlideSparseLinear", precision)?;
@@ -137,6 +159,37 @@ impl GpuLayer<SparseGemm> {
         let (n, k_prime) = (spec.out_features, geometry.k_prime());
         let n_pad = n.next_multiple_of(sparse_n_multiple(precision));
         let state = device_state(device_index)?;
+        let quant = QuantShape {
+            k: spec.in_features,
+            k_slide: geometry.k_slide(),
+            k_out: k_prime,
+            lift_n: geometry.n,
+        };
+        let (scale, bias) = scale_and_bias(client, scales, bias);
+        let layer = |gemm, gemv| Self {
+            gemm,
+            quant,
+            n,
+            n_pad,
+            precision,
+            scale,
+            bias,
+            gemv,
+            permutation: None,
+            state: Arc::clone(&state),
+        };
+        let compact = choice == SparseGemmChoice::Compact && compact_gemm_fits(device_index, spec)?;
+        if let (WeightCodes::I8(codes), true) = (&weight.codes, compact) {
+            let compact = compact_codes(spec, codes)?;
+            let rows_bytes = CompactRows::read_bytes(spec.pattern, n, spec.in_features);
+            ensure_fits(client, &state, 2 * rows_bytes, || {
+                "SlideSparseLinear compact rows".into()
+            })?;
+            let gemm = Arc::new(CompactGemm::new(client, device_index, &compact, (k_prime, n_pad))?);
+            // The GEMV does not read the compact rows yet (its own layout is `DecodeTiles`):
+            // the compact GEMM serves every size, so the device holds one copy.
+            return Ok(layer(SparseGemm::Compact(gemm), None));
+        }
         // The uncompressed upload plus about as much again for the compressed copy and its
         // buffer, all alive together.
         let weight_len = n_pad * k_prime * precision.element_bytes();
@@ -150,37 +203,47 @@ impl GpuLayer<SparseGemm> {
             precision.element_bytes(),
         );
         let compressed = compress(client, &state, &bytes, (k_prime, n_pad), precision)?;
-        let gemv = sparse_gemv(client, spec, weight)?;
+        // One copy: where the compact GEMM was chosen but cannot run (another GPU, pattern or
+        // precision), cuSPARSELt's copy serves every size, without the GEMV's rows.
+        let gemv = match choice {
+            SparseGemmChoice::Compact => None,
+            SparseGemmChoice::CuSparseLt => sparse_gemv(client, spec, weight)?,
+        };
         let mut alpha = scales.to_vec();
         alpha.resize(n_pad, 0.0);
-        let (scale, bias) = scale_and_bias(client, scales, bias);
-        Ok(Self {
-            gemm: SparseGemm {
-                compressed: HeldBuffer::new(client, compressed)?,
-                alpha: HeldBuffer::new(client, client.create_from_slice(&f32_bytes(&alpha)))?,
-                n_pad,
-                k_prime,
-                precision,
-            },
-            quant: QuantShape {
-                k: spec.in_features,
-                k_slide: geometry.k_slide(),
-                k_out: k_prime,
-                lift_n: geometry.n,
-            },
-            n,
+        let gemm = SparseGemm::Lt(LtWeight {
+            compressed: HeldBuffer::new(client, compressed)?,
+            alpha: HeldBuffer::new(client, client.create_from_slice(&f32_bytes(&alpha)))?,
             n_pad,
+            k_prime,
             precision,
-            scale,
-            bias,
-            gemv,
-            permutation: None,
-            state,
-        })
+        });
+        Ok(layer(gemm, gemv))
     }
 }
 
-/// The GEMV of a 6:8 INT8 layer (its compact tiles, from the slid codes), where it is on;
+/// Whether our compact GEMM can run a SlideSparse layer of `spec` on device `index`: a Hopper
+/// GPU (sm_90), an INT8 pattern up to 14:16, `K'` a multiple of 16 bytes (the tensor maps' row
+/// stride).
+pub fn compact_gemm_fits(index: usize, spec: LayerSpec) -> Result<bool> {
+    Ok(spec.precision == Precision::Int8
+        && spec.pattern.block_len() <= compact_gemm::MAX_BLOCK_LEN
+        && spec.k_prime().is_multiple_of(16)
+        && DeviceInfo::of(index)?.capability == (9, 0))
+}
+
+/// A layer's compact form, from its slid INT8 codes.
+fn compact_codes(spec: LayerSpec, codes: &[i8]) -> Result<CompactCodes<i8>> {
+    CompactCodes::from_slid(
+        codes,
+        spec.out_features,
+        &spec.geometry(),
+        spec.pattern,
+        "SlideSparseLinear weight",
+    )
+}
+
+/// The GEMV of a 6:8 INT8 layer (its compact rows, from the slid codes), where it is on;
 /// `None` for other patterns and precisions (the library GEMM at every size).
 fn sparse_gemv(
     client: &Client,
@@ -193,13 +256,7 @@ fn sparse_gemv(
     if spec.pattern.block_len() != 8 || !gemv_enabled()? {
         return Ok(None);
     }
-    let compact = CompactCodes::from_slid(
-        codes,
-        spec.out_features,
-        &spec.geometry(),
-        spec.pattern,
-        "SlideSparseLinear weight",
-    )?;
+    let compact = compact_codes(spec, codes)?;
     Ok(Some(Arc::new(Gemv::compact(client, &compact)?)))
 }
 

@@ -18,6 +18,7 @@ pub(super) const PROGRAM: Program = Program {
     name: "stream gate",
     files: &["stream_gate.cu"],
     min_capability: (7, 0),
+    arch_specific: false,
 };
 
 /// The compiled kernels.

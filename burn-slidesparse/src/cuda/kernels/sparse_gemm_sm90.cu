@@ -1,7 +1,8 @@
-// Hopper (sm_90a) 2:4 structured-sparse INT8 GEMM on `wgmma.mma_async.sp`: stage (b) of the plan,
-// correctness first on ONE tile configuration. Not wired into the library yet; built and checked
-// by scripts/bench-spgemm.cu (`scripts/gpu-run.sh spgemm`). Must be compiled for sm_90a
-// (`-gencode=arch=compute_90a,code=sm_90a`); elsewhere the kernels trap.
+// Hopper (sm_90a) 2:4 structured-sparse INT8 GEMM on `wgmma.mma_async.sp`. The library launches
+// the compact kernels (`spgemm_ws_*_compact`, cuda/compact_gemm.rs) with
+// SLIDESPARSE_SPARSE_GEMM=compact; every kernel is built and checked by scripts/bench-spgemm.cu
+// (`scripts/gpu-run.sh spgemm`). Must be compiled for sm_90a (`-gencode=arch=compute_90a,code=sm_90a`,
+// NVRTC `sm_90a`); elsewhere the kernels trap.
 //
 // What it computes (the transposed product, as cuSPARSELt does, so that the sparse matrix is
 // wgmma's A operand):
@@ -517,6 +518,9 @@ struct __align__(64) SpGemmWsParams {
     u32 table[SPGEMM_RANK_TABLE];  // per rank: the 4-bit metadata of window j at bits [4 j, 4 j + 4)
 };
 
+// The host's mirror of SpGemmWsParams (cuda/compact_gemm.rs `SpGemmParams`) checks the same size
+// and the offset of `tr` (384: the 324 bytes before it rounded up to its 64-byte alignment).
+static_assert(sizeof(SpGemmWsParams) == 1088, "SpGemmWsParams layout");
 #define SPGEMM_WS_THREADS 384
 // The most dynamic shared memory a block may have on sm_90 (227 KB).
 #define SPGEMM_WS_SMEM_LIMIT 232448
@@ -1369,6 +1373,8 @@ extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1)
 
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0)
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1)
+// Their dynamic shared memory, for the host (cuModuleGetGlobal).
+extern "C" __constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256>::SMEM;
 
 // -------------------------------------------------------------------------------------------------
 // Status

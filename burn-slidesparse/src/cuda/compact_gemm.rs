@@ -1,0 +1,305 @@
+//! Our Hopper sparse GEMM on the compact layout (`kernels/sparse_gemm_sm90.cu`, "The compact
+//! kernels"): a `(2N-2):2N` INT8 layer's prefill GEMM reads the layer's one copy of its weight,
+//! the compact rows (`compact/rows.rs`: kept codes and packed zero-pair ranks), instead of a
+//! cuSPARSELt copy beside it. The kept codes are the 2:4 GEMM's compressed values as they are;
+//! the kernel builds each stage's 2:4 metadata from the ranks through a per-rank table
+//! ([`window_metadata`]). Hopper only (`wgmma.mma_async.sp`, compiled for `sm_90a`), patterns
+//! 2:4 .. 14:16.
+//!
+//! `acc [m, n_pad] = X' . W'^T` in INT32, exact, for the pipeline's epilogue; the activations
+//! `X' [m_pad, k_out]` are the lift's, as for cuSPARSELt.
+
+use std::{ffi::c_void, sync::Arc};
+
+use cudarc::driver::{result as cu, sys};
+
+use super::{
+    buffers::HeldBuffer,
+    driver::driver_err,
+    nvrtc_module::{LoadedProgram, Program},
+    runtime::{Client, PerDevice},
+};
+use crate::{
+    compact::{CompactCodes, CompactRows, window_metadata},
+    error::{Result, SlideSparseError},
+    pattern::SparsityPattern,
+};
+
+/// The GEMM's program: `sm_90a` only.
+pub(super) const PROGRAM: Program = Program {
+    name: "Hopper sparse GEMM",
+    files: &["sparse_gemm_sm90.cu"],
+    min_capability: (9, 0),
+    arch_specific: true,
+};
+
+/// Threads of a CTA (`SPGEMM_WS_THREADS`): a producer and two consumer warpgroups.
+const THREADS: u32 = 384;
+/// Tokens per CTA tile (`CfgCompact<256>::BN`) and weight rows per tile.
+const TILE_TOKENS: usize = 256;
+const TILE_ROWS: usize = 128;
+/// `K'` per stage (`CfgCompact::BK`).
+const TILE_K: usize = 128;
+/// Weight-row tiles side by side in the raster order (`SpGemmWsParams::group`): a wave's share
+/// of `X'` stays in L2 (docs/benchmarks.md, the raster-group table).
+const RASTER_GROUP: i32 = 16;
+/// Entries of the rank table (`SPGEMM_RANK_TABLE`): `C(16, 2)` rounded up.
+const RANK_TABLE: usize = 128;
+
+/// The longest block the kernel expands: 14:16 (7 windows of 4-bit metadata in a table word).
+pub const MAX_BLOCK_LEN: usize = 16;
+
+/// `CUtensorMap` as the kernel's parameter block holds it (`SpTensorMap`: 128 bytes, 64-byte
+/// aligned; cudarc's own type for CUDA 13 is 128-byte aligned, so the encoder writes into
+/// that and the bytes are copied here).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TensorMap([u64; 16]);
+
+/// Must match `SpGemmWsParams` in `kernels/sparse_gemm_sm90.cu` (its size is checked by a
+/// `static_assert` there and by [`PARAMS_SIZE`] here, the offset of `tr` here).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub struct SpGemmParams {
+    pub ta: TensorMap,
+    pub tb: TensorMap,
+    pub e: u64,
+    pub sx: u64,
+    pub sw: u64,
+    pub bias: u64,
+    pub y: u64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub ldy: i32,
+    pub k_tiles: i32,
+    pub n_tiles: i32,
+    pub group: i32,
+    pub tr: TensorMap,
+    pub win: i32,
+    pub rbits: i32,
+    pub table: [u32; RANK_TABLE],
+}
+
+/// `sizeof(SpGemmWsParams)` as the kernel file asserts it.
+pub const PARAMS_SIZE: usize = 1088;
+const _: () = assert!(std::mem::size_of::<SpGemmParams>() == PARAMS_SIZE);
+const _: () = assert!(std::mem::offset_of!(SpGemmParams, tr) == 384);
+
+/// The loaded kernel of one device and its dynamic shared memory.
+struct Kernel {
+    function: sys::CUfunction,
+    smem: u32,
+}
+
+// SAFETY: a function handle of a program loaded for the process, immutable after loading;
+// launches use it with the device's context current.
+unsafe impl Send for Kernel {}
+// SAFETY: as above.
+unsafe impl Sync for Kernel {}
+
+fn kernel(index: usize) -> Result<Arc<Kernel>> {
+    static KERNELS: PerDevice<Kernel> = PerDevice::new();
+    KERNELS.get_or_try_init(index, || {
+        let program = LoadedProgram::load(index, &PROGRAM)?;
+        // The kernel's shared memory is the kernel file's constant (stages that fit), read
+        // back rather than computed twice.
+        let smem = program.global_i32("spgemm_ws_compact_smem")? as u32;
+        let function = program.function("spgemm_ws_n256_k128_i32_compact", smem as usize)?;
+        Ok(Kernel { function, smem })
+    })
+}
+
+/// A 2-D `u8` tensor map over `rows` rows of `row_bytes` bytes at `base` (`inner` of them
+/// valid), boxes of `box_rows x box_bytes`; out-of-bounds reads are zeros.
+fn tensor_map(
+    base: u64,
+    (inner, rows, row_bytes): (usize, usize, usize),
+    (box_bytes, box_rows): (u32, u32),
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<TensorMap> {
+    let dims = [inner as u64, rows as u64];
+    let strides = [row_bytes as u64];
+    let boxes = [box_bytes, box_rows];
+    let element_strides = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every array holds the rank's (2) entries the call reads; `map` is written by the
+    // call before it is read; the address and strides are checked by the driver (alignment,
+    // sizes), which returns an error rather than writing a bad map.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            base as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    status.result().map_err(driver_err("cuTensorMapEncodeTiled"))?;
+    // SAFETY: initialized by the successful call above.
+    let map = unsafe { map.assume_init() };
+    Ok(TensorMap(map.opaque))
+}
+
+/// The per-rank metadata table of `pattern` as the kernel takes it.
+fn rank_table(pattern: SparsityPattern) -> Result<[u32; RANK_TABLE]> {
+    let entries = window_metadata(pattern);
+    let mut table = [0u32; RANK_TABLE];
+    if entries.len() > RANK_TABLE || pattern.block_len() > MAX_BLOCK_LEN {
+        return Err(unsupported(pattern));
+    }
+    for (slot, &word) in table.iter_mut().zip(&entries) {
+        *slot = u32::try_from(word).map_err(|_| unsupported(pattern))?;
+    }
+    Ok(table)
+}
+
+fn unsupported(pattern: SparsityPattern) -> SlideSparseError {
+    SlideSparseError::Unsupported {
+        what: "the compact sparse GEMM".into(),
+        why: format!("pattern {pattern} (it expands blocks of up to {MAX_BLOCK_LEN}: 2:4 .. 14:16)"),
+    }
+}
+
+/// A layer's weight for the compact GEMM: the compact rows on the device and the parameter
+/// block's fixed part (the weight's tensor maps, the pattern's table).
+pub struct CompactGemm {
+    kept: HeldBuffer,
+    ranks: HeldBuffer,
+    /// The device it lives on.
+    index: usize,
+    /// Output features.
+    pub n: usize,
+    /// `K'` the weight covers: `blocks * 4 (N - 1)`.
+    pub k_slide: usize,
+    /// Bytes per token of the lifted codes it reads (the quantization's `k_out`).
+    pub x_stride: usize,
+    /// INT32 elements per token of the accumulator it writes (the layer's `n_pad`).
+    pub acc_stride: usize,
+    base: SpGemmParams,
+    /// Bytes per row of the kept codes.
+    pub kept_stride: usize,
+    /// Bytes per row of the packed ranks.
+    pub rank_stride: usize,
+}
+
+impl CompactGemm {
+    /// Uploads `codes` as compact rows on device `index` and encodes the weight's tensor maps;
+    /// its forwards read lifted codes of `x_stride` bytes per token and write accumulator rows
+    /// of `acc_stride` INT32. Errors: a pattern past 14:16, a driver refusing a map.
+    pub fn new(
+        client: &Client,
+        index: usize,
+        codes: &CompactCodes<i8>,
+        (x_stride, acc_stride): (usize, usize),
+    ) -> Result<Self> {
+        let table = rank_table(codes.pattern)?;
+        let rows = CompactRows::new(codes);
+        let kept = HeldBuffer::new(client, client.create_from_slice(&rows.kept))?;
+        let ranks = HeldBuffer::new(client, client.create_from_slice(&rows.ranks))?;
+        let n = rows.rows;
+        let ta = tensor_map(
+            kept.ptr,
+            (rows.kept_stride, n, rows.kept_stride),
+            (64, TILE_ROWS as u32),
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        )?;
+        let tr = tensor_map(
+            ranks.ptr,
+            (rows.rank_stride, n, rows.rank_stride),
+            (32, TILE_ROWS as u32),
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        )?;
+        let geometry = codes.pattern.geometry(codes.k, 1);
+        let k_slide = geometry.k_slide();
+        let int = |what: &str, v: usize| {
+            i32::try_from(v).map_err(|_| SlideSparseError::Unsupported {
+                what: format!("compact sparse GEMM {what}"),
+                why: format!("{v} exceeds 2^31"),
+            })
+        };
+        let base = SpGemmParams {
+            ta,
+            tb: TensorMap::default(),
+            e: 0,
+            sx: 0,
+            sw: 0,
+            bias: 0,
+            y: 0,
+            m: 0,
+            n: int("rows", n)?,
+            k: int("K'", k_slide)?,
+            ldy: 0,
+            k_tiles: int("K' tiles", k_slide.div_ceil(TILE_K))?,
+            n_tiles: int("row tiles", n.div_ceil(TILE_ROWS))?,
+            group: RASTER_GROUP,
+            tr,
+            win: codes.pattern.block_len() as i32 / 2 - 1,
+            rbits: crate::compact::rank_bits(codes.pattern) as i32,
+            table,
+        };
+        Ok(Self {
+            kept,
+            ranks,
+            index,
+            n,
+            k_slide,
+            x_stride,
+            acc_stride,
+            base,
+            kept_stride: rows.kept_stride,
+            rank_stride: rows.rank_stride,
+        })
+    }
+
+    /// The device pointers of the kept codes and the ranks.
+    pub fn rows_ptrs(&self) -> (u64, u64) {
+        (self.kept.ptr, self.ranks.ptr)
+    }
+
+    /// Enqueues `acc [m, acc_stride] = X' . W'^T` (INT32) on `stream`: `x` the lifted codes of
+    /// `m` tokens (`x_stride` bytes each).
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the device's context, current on this thread; `x` and
+    /// `acc` are live device memory of `m` rows of `x_stride` bytes and `acc_stride` INT32.
+    pub unsafe fn enqueue(&self, stream: sys::CUstream, m: usize, x: u64, acc: u64) -> Result<()> {
+        let kernel = kernel(self.index)?;
+        let tb = tensor_map(
+            x,
+            (self.x_stride, m, self.x_stride),
+            (128, TILE_TOKENS as u32),
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        )?;
+        let mut params = SpGemmParams {
+            tb,
+            m: m as i32,
+            ldy: self.acc_stride as i32,
+            y: acc,
+            ..self.base
+        };
+        let tiles = m.div_ceil(TILE_TOKENS) * self.n.div_ceil(TILE_ROWS);
+        let mut args = [&mut params as *mut SpGemmParams as *mut c_void];
+        // SAFETY: the kernel takes one parameter block by value, `SpGemmParams` (the layout
+        // the kernel file asserts); the weight's maps cover buffers this value holds; the
+        // caller's contract covers `x`, `acc` and the stream.
+        unsafe {
+            cu::launch_kernel(
+                kernel.function,
+                (tiles as u32, 1, 1),
+                (THREADS, 1, 1),
+                kernel.smem,
+                stream,
+                &mut args,
+            )
+        }
+        .map_err(driver_err("cuLaunchKernel (compact sparse GEMM)"))
+    }
+}
