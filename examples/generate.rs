@@ -24,7 +24,7 @@ use std::{
 use burn::{backend::NdArray, tensor::backend::Backend};
 use burn_slidesparse::{
     PackOptions, Precision, PruneMethod, SlideSparseBackend, SparsityPattern, gguf::GgufFile,
-    load_packed, load_packed_file, prepare_all, sparsify_with,
+    load_packed, load_packed_file, prepare_all, quantize_dense, sparsify_with,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -93,11 +93,14 @@ struct Args {
     /// layers on the library's INT8 kernels; warm-up first, then the timed run).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// The SlideSparse model's LM head: `dense` (the model's float head; SmolLM2's is tied to
-    /// the embedding matrix, which the model keeps a transposed copy of) or `int8` (that head
-    /// as a dense INT8 layer, W8A8 like the block linears, its memory reported; on the GPU the
-    /// decode graph then runs the head and the greedy argmax inside the step).
-    #[arg(long, default_value = "dense")]
+    /// The INT8 models' LM head: `dense` (the model's float head; SmolLM2's is tied to the
+    /// embedding matrix, which the model keeps a transposed copy of), `int8` (that head as a
+    /// dense INT8 layer, W8A8 like the block linears, its memory reported; on the GPU the
+    /// decode graph then runs the head and the greedy argmax inside the step) or `auto`:
+    /// `int8` on the CPU, where burn's f32 matmul copies the 108 MiB float head at every
+    /// token (its slowest layer by far), `dense` on the GPU. The dense f32 / bf16 model keeps
+    /// its float head.
+    #[arg(long, default_value = "auto")]
     head: String,
 }
 
@@ -340,7 +343,7 @@ fn prune_and_pack<B: SlideSparseBackend>(
     })?;
     bar.finish_and_clear();
     Ok(format!(
-        "{} {} ({} layers packed, {} pruning, LM head dense)",
+        "{} {} ({} layers packed, {} pruning)",
         args.pattern,
         args.precision,
         packed.len(),
@@ -348,15 +351,22 @@ fn prune_and_pack<B: SlideSparseBackend>(
     ))
 }
 
-/// `--head int8`: the LM head becomes a dense INT8 layer (this example's tied head is
-/// already a copy of the embedding matrix, transposed: the INT8 layer replaces that copy);
-/// returns its memory against the dense head's, or `None` with `--head dense`.
+/// `--head int8` (or `auto` on the CPU): the LM head becomes a dense INT8 layer (this
+/// example's tied head is already a copy of the embedding matrix, transposed: the INT8 layer
+/// replaces that copy); returns its memory against the dense head's (f32 on the CPU, bf16 on
+/// the GPU), or `None` where the head stays dense.
 fn int8_head<B: SlideSparseBackend>(
     args: &Args,
     model: &mut Llama<B>,
-    float_bytes: usize,
+    gpu: bool,
 ) -> Result<Option<String>, Error> {
-    match args.head.as_str() {
+    let float_bytes = if gpu { 2 } else { 4 };
+    let head = match (args.head.as_str(), gpu) {
+        ("auto", false) => "int8",
+        ("auto", true) => "dense",
+        (other, _) => other,
+    };
+    match head {
         "dense" => Ok(None),
         "int8" => {
             let (hidden, vocab) = model.lm_head.features();
@@ -369,7 +379,7 @@ fn int8_head<B: SlideSparseBackend>(
                 mib(vocab * hidden * float_bytes)
             )))
         }
-        other => Err(format!("--head {other}: expected dense or int8").into()),
+        other => Err(format!("--head {other}: expected auto, dense or int8").into()),
     }
 }
 
@@ -432,6 +442,23 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
             (gpu, false),
             Duration::ZERO,
         )?);
+        if !gpu && args.precision == Precision::Int8 {
+            // The like-for-like baseline of the sparse model: the same layers quantized to
+            // dense INT8, on the same integer kernel.
+            let mut dense = model.clone();
+            quantize_dense(&mut dense, Precision::Int8, |name| name != "lm_head")?;
+            int8_head(args, &mut dense, false)?;
+            let start = Instant::now();
+            prepare_all(&mut dense)?;
+            println!("--- dense int8 ({}) ---\n{}", args.device, args.prompt);
+            rows.push(timed(
+                "dense int8".to_string(),
+                &dense,
+                &job,
+                (false, false),
+                start.elapsed(),
+            )?);
+        }
     }
     let label = if gpu {
         // Calibration and packing on the CPU reference, the same masks and codes as a CPU
@@ -448,7 +475,7 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
     } else {
         pack_on_the_cpu(args, &mut model, &tok)?
     };
-    let label = match int8_head(args, &mut model, if gpu { 2 } else { 4 })? {
+    let label = match int8_head(args, &mut model, gpu)? {
         Some(memory) => format!("{label}, INT8 LM head ({memory})"),
         None => label,
     };

@@ -1,9 +1,11 @@
 //! The backend extension for the SlideSparse linear op.
 //!
 //! A backend prepares a layer's weights once (the CUDA backend compresses them for
-//! cuSPARSELt; the reference backend decodes them to floats) and then runs the forward on
+//! cuSPARSELt; burn's CPU backends keep an INT8 layer's codes for the integer kernel,
+//! `cpu_int8`; the reference path decodes them to floats) and then runs the forward on
 //! `[M, K]` activations. Every burn backend can use the [`reference`](crate::reference)
-//! implementation: it is the CPU path and the oracle of the GPU tests.
+//! implementation (`impl_reference_backend!`): it is the oracle of the CPU kernel's and the
+//! GPU's tests.
 
 use std::{any::Any, fmt::Debug, sync::Arc};
 
@@ -168,7 +170,3 @@ macro_rules! impl_reference_backend {
         }
     };
 }
-
-impl_reference_backend!(for [] burn::backend::NdArray);
-#[cfg(feature = "flex")]
-impl_reference_backend!(for [] burn::backend::Flex);

@@ -16,6 +16,8 @@ mod codes;
 mod collective;
 mod compact;
 mod concat;
+mod cpu_backend;
+mod cpu_int8;
 #[cfg(feature = "cubecl")]
 mod cube;
 #[cfg(feature = "cuda")]
@@ -76,6 +78,8 @@ pub use compact::{
     window_metadata, window_nibble,
 };
 pub use concat::concat_outputs;
+pub use cpu_backend::CpuPrepared;
+pub use cpu_int8::{CpuInt8Layer, Isa};
 #[cfg(feature = "cubecl")]
 pub use cube::CubePrepared;
 #[cfg(feature = "cuda")]

@@ -595,7 +595,7 @@ fn fill_tail(source: &BlockSource<'_>, k0: usize, codes: &mut [u8], index: &mut 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::test_rng::XorShift32;
 
@@ -648,7 +648,7 @@ mod tests {
 
     /// A random pruned matrix of `rows x k` with every block at exactly `2N-2` nonzeros
     /// (`extra_zeros`: some kept codes zero too), INT8 codes in [-127, 127].
-    pub(super) fn random_pruned(
+    pub(crate) fn random_pruned(
         rng: &mut XorShift32,
         rows: usize,
         k: usize,
