@@ -821,7 +821,8 @@ struct Problem {
             long b = 0;
             for (int g : kCheckGroups) b += check_ws(kWs[i], g, tag, s, ref, want16);
             if (kWs[i].persistent) b += check_ws(kWs[i], kPersistentOneCtaGroup, tag, s, ref, want16, 1);
-            ws_ok[i] = b == 0;
+            // A timing probe's compact kernels compute wrong results on purpose: timed anyway.
+            ws_ok[i] = b == 0 || (SPGEMM_COMPACT_PROBE != 0 && kWs[i].compact);
             fails += b != 0;
             cells += b ? " MISMATCH |" : " exact |";
         }
@@ -933,7 +934,12 @@ int main(int argc, char** argv) {
     // kernels (kSweepVariants) launched once per raster group in kProfileGroups between cudaProfilerStart / Stop, for
     // `ncu --profile-from-start off` (gpu-run.sh spgemm-profile); nothing is timed.
     bool bench = true, profile = false, small_only = false;
+    // --shape NAME / --m M: only that Llama shape (e.g. gate_up) / token count.
+    std::string only_shape;
+    int only_m = 0;
     for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[i + 1];
+        if (!strcmp(argv[i], "--m") && i + 1 < argc) only_m = atoi(argv[i + 1]);
         if (!strcmp(argv[i], "--check-only")) bench = false;
         if (!strcmp(argv[i], "--small-only")) bench = false, small_only = true;
         if (!strcmp(argv[i], "--profile")) bench = false, profile = true;
@@ -1090,6 +1096,7 @@ int main(int argc, char** argv) {
     std::string sweep;  // rows of the raster-group table, printed after this one
     for (size_t si = 0; si < shapes.size(); ++si) {
         const Shape& sh = shapes[si];
+        if (!only_shape.empty() && !strstr(sh.name, only_shape.c_str())) continue;
         const int n = sh.n, k = sh.k, kp = k / 8 * 12;
         const uint64_t seed = 1000 + si;
         std::vector<int8_t> w68, w24, x0, x;
@@ -1124,6 +1131,7 @@ int main(int argc, char** argv) {
         std::vector<int32_t> cpu_rows;
         cpu_ref(w24, x, mmax, kp, rows, cpu_rows);
         for (int m : ms) {
+            if (only_m && m != only_m) continue;
             pr.m = m;
             std::string check;
             int fails = 0;

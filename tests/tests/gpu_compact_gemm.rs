@@ -78,6 +78,8 @@ fn compact_gemm_is_bit_identical_to_cusparselt_for_every_pattern() {
         SparsityPattern::P4_6,
         SparsityPattern::P6_8,
         SparsityPattern::P8_10,
+        "10:12".parse().unwrap(),
+        "12:14".parse().unwrap(),
         "14:16".parse().unwrap(),
     ];
     for pattern in patterns {

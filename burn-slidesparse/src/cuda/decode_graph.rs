@@ -59,12 +59,14 @@ pub struct StepLinear {
 
 impl StepLinear {
     /// The step's view of a prepared GPU layer, which must have a GEMV (INT8 dense or 6:8
-    /// with `SLIDESPARSE_DECODE_GEMV` on).
+    /// with `SLIDESPARSE_DECODE_GEMV` on, 6:8 on cuSPARSELt's copy).
     pub fn of<G>(layer: &GpuLayer<G>, what: &str) -> Result<Self> {
         let gemv = layer.gemv.clone().ok_or_else(|| SlideSparseError::Unsupported {
             what: format!("{what} in a decode graph"),
             why: "it has no GEMV: the graph runs INT8 dense and INT8 6:8 layers without an \
-                  input permutation (with SLIDESPARSE_DECODE_GEMV on)"
+                  input permutation (with SLIDESPARSE_DECODE_GEMV on and \
+                  SLIDESPARSE_SPARSE_GEMM=cusparselt: the compact GEMM's layers serve decode \
+                  through their GEMM)"
                 .into(),
         })?;
         Ok(Self {

@@ -1179,6 +1179,11 @@ __device__ __forceinline__ void run_pingpong(const SpGemmWsParams& p, unsigned c
 //   whose values are zero (A zero filled) or meet zero activations (X' zero filled).
 //   Stage: A 8 KB, X' 32 KB, metadata words 2 KB, ranks 4 KB; 4 stages.
 
+// Timing probes of the bench alone (wrong results): 1 skips the expansion, 2 the rank loads too.
+#ifndef SPGEMM_COMPACT_PROBE
+#define SPGEMM_COMPACT_PROBE 0
+#endif
+
 template <int BN_>
 struct CfgCompact {
     static constexpr int BN = BN_, BK = 128;
@@ -1230,62 +1235,106 @@ __device__ __forceinline__ void produce_compact(const SpGemmWsParams& p, u32 bas
         mbar_wait(empty_bar<C>(bars, s), ((kt / C::STAGES) & 1) ^ 1);
         const u32 st = base + s * C::STAGE, full = full_bar<C>(bars, s), rk = rank_bar<C>(bars, s);
         // The ranks first: the workers' expansion is on the path to `full`.
+#if SPGEMM_COMPACT_PROBE == 2
+        mbar_arrive(rk);
+#else
         mbar_expect_tx(rk, C::R_BYTES);
         tma_2d(st + C::R_OFF, &p.tr, rk, rank_byte(p, kt), n0);
+#endif
         mbar_expect_tx(full, C::A_BYTES + C::B_BYTES);
         tma_2d(st, &p.ta, full, kt * (C::BK / 2), n0);
         tma_2d(st + C::A_BYTES, &p.tb, full, kt * C::BK, m0);
     }
 }
 
-// Row r (0..127) of a stage: its 32 windows' metadata nibbles from the ranks at `ranks` (32
-// bytes, the first rank at bit `bit0`, its block's window `j0` the stage's first), stored as the
-// four words the consumer threads read (the map of `e`: word k = windows [8 k, 8 k + 8) goes to
-// k-step k >> 1 of lane 4 (r & 7) + (r & 15) / 8 + 2 (k & 1) of warp (r & 63) / 16 of consumer r / 64).
+// The address of row r's (0..127) metadata word k (0..3: windows [8 k, 8 k + 8) of the stage) in
+// the map of `e`: k-step k >> 1 of lane 4 (r & 7) + (r & 15) / 8 + 2 (k & 1) of warp (r & 63) / 16 of
+// consumer r / 64.
 template <class C>
-__device__ __forceinline__ void expand_row(const SpGemmWsParams& p, u32 ranks, u32 words, u32 table, int r, int j0, int bit0) {
+__device__ __forceinline__ u32 word_addr(u32 words, int r, int k) {
     const int cw = r >> 6, w = (r >> 4) & 3, rr = r & 15;
-    const u32 row_words = words + (u32)((cw * 128 + 32 * w + 4 * (rr & 7) + (rr >> 3)) * C::KSTEPS) * 4u;
-    const int win = p.win;
-    const u32 mask = (1u << p.rbits) - 1u;
-    u64 acc = 0;
-    int nacc = 0, k = 0, off = bit0, j = j0;
-    for (int wi = 0; wi < C::BK / 4;) {
-        // The rank at bit `off` of the 32 bytes (off + rbits <= 256: see the header), across two
-        // words; the second is word 7 again when the first is (then it is not needed).
-        const int q = off >> 5;
-        const u32 lo = lds32(ranks + 4 * q), hi = lds32(ranks + 4 * min(q + 1, 7));
-        const u32 rank = __funnelshift_r(lo, hi, off & 31) & mask;
-        const int n = min(win - j, C::BK / 4 - wi);  // this block's windows in the stage, 1..7
-        const u32 nib = (lds32(table + 4 * rank) >> (4 * j)) & (0xffffffffu >> (32 - 4 * n));
-        acc |= (u64)nib << nacc;
-        nacc += 4 * n;
-        wi += n;
-        j = 0;
-        off += p.rbits;
-        if (nacc >= 32) {  // 4 n <= 28 bits per block: at most one word completes per block
-            sts32(row_words + (u32)(2 * (k & 1) * C::KSTEPS + (k >> 1)) * 4u, (u32)acc);
-            acc >>= 32;
-            nacc -= 32;
-            ++k;
-        }
-    }
+    return words + (u32)(((cw * 128 + 32 * w + 4 * (rr & 7) + (rr >> 3)) * C::KSTEPS + 2 * (k & 1) * C::KSTEPS + (k >> 1)) * 4);
 }
 
-// A metadata worker (0..95): every stage of this CTA, in order.
+// Row r (0..127) of a stage, for the pattern whose blocks hold WIN windows (WIN + 1 = N of
+// (2N-2):2N) and whose ranks are RBITS wide: its 32 windows' metadata nibbles from its 32 rank
+// bytes at `ranks` (the stage's first rank at bit `bit0`, that block's window `j0` the stage's
+// first), stored as the four words the consumer threads read (`word_addr`). A worker warp is
+// the only warp of its SM sub-partition outside the consumers, so its instructions issue one by
+// one: everything is unrolled on the pattern's constants, the ranks come out of registers at
+// fixed bit offsets, the table lookups are independent (they go out together), and each block's
+// WIN nibbles land at a fixed place of a nibble stream that one shift by j0 windows aligns.
+template <class C, int WIN, int RBITS>
+__device__ __forceinline__ void expand_row(u32 ranks, u32 words, u32 table, int r, int j0, int bit0) {
+    constexpr int NB = (WIN - 1 + C::BK / 4 + WIN - 1) / WIN;  // blocks reaching into the stage, at most
+    constexpr int NW = (NB * 4 * WIN + 31) / 32 + 1;           // words of the nibble stream (one spare)
+    constexpr u32 MASK = (1u << RBITS) - 1u;
+    static_assert(NB * RBITS <= 256 - 127, "the stage's ranks within the 32 bytes past bit0 (< 128)");
+    u32 bits[8], lo[4], hi[4];
+    spgemm::lds128(ranks, lo);
+    spgemm::lds128(ranks + 16, hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bits[i] = lo[i], bits[i + 4] = hi[i];
+    for (int w = bit0 >> 5; w > 0; --w) {  // whole words first (bit0 < 128: at most three)
+#pragma unroll
+        for (int i = 0; i < 7; ++i) bits[i] = bits[i + 1];
+        bits[7] = 0;
+    }
+#pragma unroll
+    for (int i = 0; i < 7; ++i) bits[i] = __funnelshift_r(bits[i], bits[i + 1], (u32)(bit0 & 31));
+    bits[7] >>= (u32)(bit0 & 31);
+    u32 stream[NW];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) stream[i] = 0;
+    // Eight lookups go out before their results are used (the loads are in order, their waits
+    // are not): a chunk costs one round trip to shared memory.
+#pragma unroll
+    for (int c = 0; c < NB; c += 8) {
+        u32 nib[8];
+#pragma unroll
+        for (int i = c; i < c + 8 && i < NB; ++i) {  // past the stage's blocks: ranks < 128, entries of the table
+            const int b = i * RBITS, q = b >> 5, o = b & 31;
+            const u32 rank = (o + RBITS <= 32 || q == 7 ? bits[q] >> o : __funnelshift_r(bits[q], bits[q + 1 < 8 ? q + 1 : 7], o)) & MASK;
+            nib[i - c] = lds32(table + 4 * rank);
+        }
+#pragma unroll
+        for (int i = c; i < c + 8 && i < NB; ++i) {
+            const int n = i * 4 * WIN, nq = n >> 5, no = n & 31;
+            stream[nq] |= nib[i - c] << no;
+            if (no + 4 * WIN > 32) stream[nq + 1] |= nib[i - c] >> (32 - no);
+        }
+    }
+    const u32 sh = 4u * (u32)j0;  // < 28
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sts32(word_addr<C>(words, r, k), __funnelshift_r(stream[k], stream[k + 1], sh));
+}
+
+// A metadata worker (0..95): rows worker and worker + 96 of every stage of this CTA, in order.
 template <class C>
 __device__ __forceinline__ void expand_metadata(const SpGemmWsParams& p, u32 base, u32 bars, u32 table, int worker) {
     for (int kt = 0; kt < p.k_tiles; ++kt) {
         const int s = kt % C::STAGES;
+        const int b0 = first_block(p, kt), j0 = kt * (C::BK / 4) - b0 * p.win;
+        const int bit0 = b0 * p.rbits - 8 * rank_byte(p, kt);
         // SAFETY (stage reuse): the ranks of use kt / STAGES landed, so the producer had waited for
         // the consumers' release of this stage's previous use: its metadata words are free to
         // overwrite. The workers arrive on `full` once per use, so they are never a phase ahead.
         mbar_wait(rank_bar<C>(bars, s), (kt / C::STAGES) & 1);
         const u32 st = base + s * C::STAGE;
-        const int w0 = kt * (C::BK / 4), b0 = first_block(p, kt);
-        const int j0 = w0 - b0 * p.win, bit0 = b0 * p.rbits - 8 * rank_byte(p, kt);
-        for (int r = worker; r < 128; r += C::WORKERS)
-            expand_row<C>(p, st + C::R_OFF + r * C::R_ROW, st + C::A_BYTES + C::B_BYTES, table, r, j0, bit0);
+#if SPGEMM_COMPACT_PROBE == 0
+        for (int r = worker; r < 128; r += C::WORKERS) {
+            const u32 ranks = st + C::R_OFF + r * C::R_ROW, words = st + C::A_BYTES + C::B_BYTES;
+            switch (p.win) {  // warp-uniform; the host sets rbits = compact.rs rank_bits(pattern)
+                case 1: expand_row<C, 1, 3>(ranks, words, table, r, j0, bit0); break;
+                case 2: expand_row<C, 2, 4>(ranks, words, table, r, j0, bit0); break;
+                case 3: expand_row<C, 3, 5>(ranks, words, table, r, j0, bit0); break;
+                case 4: expand_row<C, 4, 6>(ranks, words, table, r, j0, bit0); break;
+                case 5: expand_row<C, 5, 7>(ranks, words, table, r, j0, bit0); break;
+                case 6: expand_row<C, 6, 7>(ranks, words, table, r, j0, bit0); break;
+                default: expand_row<C, 7, 7>(ranks, words, table, r, j0, bit0); break;
+            }
+        }
+#endif
         // Release: this thread's words are visible to the consumers that acquire `full`.
         mbar_arrive(full_bar<C>(bars, s));
     }
@@ -1373,8 +1422,12 @@ extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1)
 
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0)
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1)
-// Their dynamic shared memory, for the host (cuModuleGetGlobal).
-extern "C" __constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256>::SMEM;
+// Their dynamic shared memory, for the host (cuModuleGetGlobal). The braced linkage block keeps
+// this a definition under nvcc too (`extern "C" __constant__ int x = ..;` is an undefined
+// reference in nvcc's host registration code).
+extern "C" {
+__constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256>::SMEM;
+}
 
 // -------------------------------------------------------------------------------------------------
 // Status
@@ -1403,10 +1456,16 @@ extern "C" __constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256>:
 // neither compute nor memory at group 16 (SM 60-75%, L2 61-75%). Left: the
 // epilogue overlapped with the next tile (persistent CTAs), FP8.
 // The persistent kernels (`spgemm_ws_n256_k128_{i32,bf16}_persistent`,
-// `spgemm_ws_n128_k128_i32_pingpong`, see "The persistent kernels" above): compiled (nvcc 13.5
-// sm_90a: 168 registers, no spills, no C7515; NVRTC sm_80 .. sm_120, sm_90a), checked and timed
-// by bench-spgemm (grid min(tiles, SMs), and a one-CTA grid that walks every tile), not yet run.
+// `spgemm_ws_n128_k128_i32_pingpong`, see "The persistent kernels" above): exact on every
+// bench-spgemm case (H100, 2026-12-07; grid min(tiles, SMs), and a one-CTA grid that walks every
+// tile). Not faster: persistent 0.91-1.03x the ws n256 k128 kernel's time at M 1024 / 4096
+// (qkv, o, gate_up, down), 0.96-1.26x at 16384; pingpong 1.22-1.74x.
 // The compact kernels (`spgemm_ws_n256_k128_{i32,bf16}_compact`, "The compact kernels" above):
-// compiled (nvcc 13.0 sm_90a: 168 registers, no spills, no C7515; NVRTC every target), checked by
-// bench-spgemm against cuBLASLt on 6:8 (slid68, the Llama shapes) and 2:4 (the other small cases)
-// compact layouts from its own packer, and timed beside the kernels above; not yet run.
+// 168 registers, no spills (nvcc 13.0 sm_90a); exact on every bench-spgemm case (H100, 2:4 small
+// cases, 6:8 slid68 and the Llama shapes at M 1024 .. 16384). Slower than the ws n256 k128 kernel
+// on the precomputed metadata (H100, M = 4096: 1.60x qkv, 1.61x o, 1.69x gate_up, 2.13x down):
+// the stage waits for its ranks and their expansion. The timing probes (-DSPGEMM_COMPACT_PROBE,
+// wrong results) split gate_up / down: 1494 / 764 us, without the expansion 1024 / 500, without
+// the rank loads too 775 / 346. Next: the ranks and the metadata words in rings of their own,
+// deeper than the A / X' stages, so the workers run ahead of the consumers and only their
+// throughput counts.
