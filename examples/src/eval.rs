@@ -269,8 +269,8 @@ pub fn group_permutations<B: Backend>(
 /// ([`SEQUENTIAL_GROUPS`]), each linear is pruned and packed with `options(name, calibration)`
 /// where the calibration holds `X^T X` of the layer's inputs on `tokens [batch, t]` *through
 /// the model pruned so far* (earlier blocks and groups already sparse, and quantized if
-/// `options` says so). The hidden states are carried from block to block, so the whole run
-/// costs about five forward passes over the calibration tokens. Returns the names packed.
+/// `options` says so). Each block is walked group by group ([`Llama::walk_step`]), so the
+/// whole run costs one forward pass over the calibration tokens. Returns the names packed.
 ///
 /// With `permute`, every group's input order is searched first, on its dense weights scored
 /// with the group's own options' prune method (SparseGPT's saliency on the same calibration)
@@ -286,18 +286,15 @@ pub fn sparsegpt_sequential<B: SlideSparseBackend>(
     let mut packed = Vec::new();
     let mut x = model.embed.forward(tokens);
     for i in 0..model.blocks.len() {
-        for group in SEQUENTIAL_GROUPS {
+        // One block forward per block: each group's input is computed once, through the
+        // groups before it as they were just pruned.
+        let mut walk = model.walk_block(i, x);
+        for (g, group) in SEQUENTIAL_GROUPS.into_iter().enumerate() {
+            if g > 0 {
+                model.walk_step(&mut walk);
+            }
             bar.set_message(format!("layers.{i}.{}", group.join("/")));
-            let mut seen = None;
-            // The block's output is not needed here, only the group's input.
-            let _ = model.block_forward(i, x.clone(), &mut |name, input| {
-                if name == group[0] {
-                    seen = Some(gram(input));
-                }
-            });
-            let gram = seen.ok_or_else(|| {
-                SlideSparseError::Backend(format!("layers.{i}.{}: input not observed", group[0]))
-            })?;
+            let gram = gram(walk.input());
             let names: Vec<String> = group.iter().map(|n| format!("layers.{i}.{n}")).collect();
             let order = match permute.as_mut() {
                 Some(p) => {
@@ -317,15 +314,23 @@ pub fn sparsegpt_sequential<B: SlideSparseBackend>(
                 }
                 None => ChannelPermutation::Identity,
             };
-            packed.extend(sparsify_with(model, |name| {
+            let done = sparsify_with(model, |name| {
                 names.iter().any(|n| n == name).then(|| PackOptions {
                     permutation: order.clone(),
                     ..options(name, SparseGptCalibration::new(gram.clone()))
                 })
-            })?);
+            })?;
+            if let Some(missing) = names.iter().find(|n| !done.contains(n)) {
+                return Err(SlideSparseError::Backend(format!(
+                    "{missing}: no dense linear of that name (sequential SparseGPT needs the \
+                     separate projections q/k/v and gate/up, dense)"
+                )));
+            }
+            packed.extend(done);
             bar.inc(1);
         }
-        x = model.block_forward(i, x, &mut |_, _| {});
+        model.walk_step(&mut walk);
+        x = walk.into_output();
     }
     Ok(packed)
 }

@@ -364,6 +364,63 @@ impl<B: SlideSparseBackend> Llama<B> {
         h + delta
     }
 
+    /// Starts block `index` on hidden states `x [batch, t, hidden]` (positions `0..t`, no
+    /// cache) one group of linears at a time ([`BlockWalk`]): the walk's first input is the
+    /// q/k/v projections' (the attention norm of `x`).
+    pub fn walk_block(&self, index: usize, x: Tensor<B, 3>) -> BlockWalk<B> {
+        let input = step("norm", rms_norm(x.clone(), &self.blocks[index].attn_norm));
+        BlockWalk {
+            index,
+            residual: x,
+            input,
+            group: 0,
+        }
+    }
+
+    /// Moves `walk` to its next group's input through the current group's linears *as they
+    /// are now* (changed since the walk reached them, e.g. pruned): q/k/v -> the attention
+    /// output (o's input) -> the MLP norm (gate's and up's input) -> the SiLU-gated product
+    /// (down's input) -> the block's output (`walk.input()` after the fourth step, the next
+    /// block's input). The four steps cost one block forward and compute the same values as
+    /// [`block_forward`](Self::block_forward) on the model of each step's time.
+    pub fn walk_step(&self, walk: &mut BlockWalk<B>) {
+        let block = &self.blocks[walk.index];
+        let input = walk.input.clone();
+        walk.input = match walk.group {
+            0 => {
+                let t = input.dims()[1];
+                let mut local = None;
+                let mut cache = CacheSlot {
+                    slot: &mut local,
+                    start: 0,
+                    capacity: t,
+                };
+                let qkv = block.qkv(input, &mut |_, _| {});
+                block.rope_attention(qkv, &mut cache, self.attention_of())
+            }
+            1 => {
+                let attended = block.o.forward(input);
+                let (h, m) = step(
+                    "norm",
+                    add_rms_norm(walk.residual.clone(), attended, &block.mlp_norm),
+                );
+                walk.residual = h;
+                m
+            }
+            2 => match &block.mlp_in {
+                Projections::Fused(gate_up) => {
+                    step("SiLU-gated product", silu_mul(gate_up.forward(input)))
+                }
+                Projections::Separate(layers) => {
+                    activation::silu(layers[0].forward(input.clone())) * layers[1].forward(input)
+                }
+            },
+            3 => walk.residual.clone() + block.down.forward(input),
+            _ => panic!("walk_step: block {} is already walked through", walk.index),
+        };
+        walk.group += 1;
+    }
+
     fn attention_of(&self) -> BlockAttention<'_, B> {
         BlockAttention {
             rope: &self.rope,
@@ -517,6 +574,33 @@ impl<B: SlideSparseBackend> Llama<B> {
         })?;
         graph.set_position(cache.len())?;
         Ok(graph)
+    }
+}
+
+/// A block run one group of linears at a time ([`Llama::walk_block`], [`Llama::walk_step`]):
+/// the residual stream and the input of the group reached.
+pub struct BlockWalk<B: Backend> {
+    index: usize,
+    /// The block's input, then (after the o group) the stream with the attention added.
+    residual: Tensor<B, 3>,
+    input: Tensor<B, 3>,
+    /// Groups walked through: 0 q/k/v, 1 o, 2 gate/up, 3 down, 4 done.
+    group: usize,
+}
+
+impl<B: Backend> BlockWalk<B> {
+    /// The input of the group reached (after the last group: the block's output).
+    pub fn input(&self) -> &Tensor<B, 3> {
+        &self.input
+    }
+
+    /// The block's output, once every group was walked through.
+    pub fn into_output(self) -> Tensor<B, 3> {
+        assert_eq!(
+            self.group, 4,
+            "BlockWalk::into_output before the down group's step"
+        );
+        self.input
     }
 }
 

@@ -695,3 +695,57 @@ fn kv_cache_capacity_given_or_grown_gives_the_same_logits() {
     assert_eq!((cap_grown, cap_given), (12, 16));
     assert_eq!(grown, given);
 }
+
+/// The input and output of every step of a block walk are the block forward's on the model as
+/// it is at that step (bit for bit), while each group is pruned before the next step: what
+/// sequential SparseGPT relies on to compute each group's calibration once.
+#[test]
+fn block_walk_gives_each_group_its_input_on_the_model_as_it_is() {
+    use burn::tensor::Distribution;
+    let device = Default::default();
+    let mut model = tiny_config().init::<B>(&device);
+    let groups: [&[&str]; 4] = [
+        &["q_proj", "k_proj", "v_proj"],
+        &["o_proj"],
+        &["gate_proj", "up_proj"],
+        &["down_proj"],
+    ];
+    let observed = |model: &Llama<B>, block: usize, x: &Tensor<B, 3>, name: &str| {
+        let mut seen = None;
+        let out = model.block_forward(block, x.clone(), &mut |n, input| {
+            if n == name {
+                seen = Some(input.clone().into_data());
+            }
+        });
+        (seen.expect("observed"), out.into_data())
+    };
+    let mut x = Tensor::<B, 3>::random([2, 5, 32], Distribution::Normal(0.0, 1.0), &device);
+    for block in 0..2 {
+        let dense = model.clone();
+        let mut walk = model.walk_block(block, x.clone());
+        for (g, names) in groups.iter().enumerate() {
+            if g > 0 {
+                model.walk_step(&mut walk);
+            }
+            let (now, _) = observed(&model, block, &x, names[0]);
+            walk.input().to_data().assert_eq(&now, true);
+            if g > 0 {
+                // The groups before were pruned: the dense model's input differs.
+                let (before, _) = observed(&dense, block, &x, names[0]);
+                assert_ne!(walk.input().to_data(), before, "block {block} group {g}");
+            }
+            let packed = sparsify(
+                &mut model,
+                &PackOptions::new(SparsityPattern::P6_8, Precision::Int8),
+                |n| names.iter().any(|m| n == format!("layers.{block}.{m}")),
+            )
+            .unwrap();
+            assert_eq!(packed.len(), names.len());
+        }
+        model.walk_step(&mut walk);
+        let (_, out) = observed(&model, block, &x, "q_proj");
+        let output = walk.into_output();
+        output.to_data().assert_eq(&out, true);
+        x = output;
+    }
+}
