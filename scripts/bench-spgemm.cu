@@ -503,13 +503,16 @@ static const WsVariant kWs[] = {
     {"ws n256 k128 persistent", spgemm_ws_n256_k128_i32_persistent, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
     {"ws n256 k128 bf16 persistent", spgemm_ws_n256_k128_bf16_persistent, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
     {"ws n128 k128 pingpong", spgemm_ws_n128_k128_i32_pingpong, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1, true},
-    {"ws n256 k128 compact", spgemm_ws_n256_k128_i32_compact, 256, 128, false, spgemm_ws::CfgCompact<256>::SMEM, 1, false, true},
-    {"ws n256 k128 bf16 compact", spgemm_ws_n256_k128_bf16_compact, 256, 128, true, spgemm_ws::CfgCompact<256>::SMEM, 1, false,
+    {"ws n256 k128 compact", spgemm_ws_n256_k128_i32_compact, 256, 128, false, spgemm_ws::CfgCompact<256, false>::SMEM, 1, false,
      true},
+    {"ws n256 k128 bf16 compact", spgemm_ws_n256_k128_bf16_compact, 256, 128, true, spgemm_ws::CfgCompact<256, false>::SMEM, 1,
+     false, true},
+    {"ws n256 k128 compact ring", spgemm_ws_n256_k128_i32_compact_ring, 256, 128, false, spgemm_ws::CfgCompact<256, true>::SMEM, 1,
+     false, true},
 };
 // The variants the raster-group sweep times: n256 k128 without and with the X' multicast, the
-// persistent one, the pingpong one and the compact one.
-static const int kSweepVariants[] = {2, 4, 5, 7, 8};
+// persistent one, the pingpong one and the compact ones.
+static const int kSweepVariants[] = {2, 4, 5, 7, 8, 10};
 static const int kWsCount = sizeof(kWs) / sizeof(kWs[0]);
 // Weight-row tiles per raster group (SpGemmWsParams::group): the timed default, the groups the
 // sweep times (n256 k128), and the uneven one every check also runs (3 does not divide the tile

@@ -1157,59 +1157,80 @@ __device__ __forceinline__ void run_pingpong(const SpGemmWsParams& p, unsigned c
 }
 
 // -------------------------------------------------------------------------------------------------
-// The compact kernels (`spgemm_ws_n256_k128_{i32,bf16}_compact`): `run`'s n256 k128 tile (CL = 1)
+// The compact kernels (`spgemm_ws_n256_k128_{i32,bf16}_compact`, `spgemm_ws_n256_k128_i32_compact_ring`):
+// `run`'s n256 k128 tile (CL = 1)
 // on the compact (2N-2):2N layout (compact.rs), the one copy of the weight, with no metadata array:
 //   - A values: the compact `kept` array, u8 [n][kept row bytes] (rows 16-byte aligned). A block's
 //     2N - 2 kept codes in K order ARE its N - 1 windows' 2:4 values two by two (kept code i of a
 //     block sits at block position >= i and <= i + 2, so codes 2j, 2j + 1 fit window j, positions
 //     2j .. 2j + 3), so row n of `kept` is row n of the compressed W' and `ta` maps it as before.
-//   - Metadata: built per stage from the ranks. The producer thread also loads, for the stage's
-//     128 rows, 32 bytes of packed ranks (rank_bits each, compact.rs `packed_ranks`) from the byte
-//     of the rank of b0 = the block of the stage's first window, rounded down to 16 (with boxes
-//     starting at that byte itself, the H100 faulted with an illegal instruction on the first
-//     box starting off a 16-byte boundary); 32 bytes hold up to 15 bytes of offset and the ranks
-//     of the stage's 32 windows for every pattern 2:4 .. 14:16 (at most 33 ranks of 3 bits,
-//     2:4), on a third mbarrier per stage (`rank_bar`). Warps 1-3 of the producer warpgroup (96 threads, otherwise
-//     idle) wait for it, turn each row's ranks into its 32 windows' nibbles through `table` (in
-//     shared memory: a rank's N - 1 window nibbles, the host's table of compact.rs
-//     `window_metadata`) and store them as the consumers' metadata words (the map of `e` above),
-//     then arrive on the stage's `full` barrier (1 + 96 arrivals: the TMA thread's expect-tx and
-//     each worker's). The consumers are `run`'s, unchanged.
+//   - Metadata: built per stage from the ranks. The producer thread also loads, per k-tile, for
+//     the tile's 128 rows, 32 bytes of packed ranks (rank_bits each, compact.rs `packed_ranks`)
+//     from the byte of the rank of b0 = the block of the k-tile's first window, rounded down to
+//     16 (a TMA box starting off a 16-byte boundary faults with an illegal instruction); 32 bytes
+//     hold up to 15 bytes of offset and the ranks of the k-tile's 32 windows for every pattern
+//     2:4 .. 14:16 (at most 33 ranks of 3 bits, 2:4). `_compact`: a stage's ranks are loaded
+//     with it, once the stage is free (a `rank_full` barrier per stage). `_compact_ring`: the
+//     ranks have a ring of their own (8 slots, `rank_full` / `rank_empty` barriers), loaded 7
+//     k-tiles ahead, so they are there when a stage frees. Warps 1-3 of the producer warpgroup (96 threads,
+//     otherwise idle) wait for the stage's release and its ranks, turn each row's ranks into its
+//     32 windows' nibbles through `table` (in shared memory: a rank's N - 1 window nibbles, the
+//     host's table of compact.rs `window_metadata`) while the stage's A and X' load, store them
+//     as the consumers' metadata words (the map of `e` above), release the ring slot and arrive
+//     on the stage's `full` barrier (1 + 96 arrivals: the TMA thread's expect-tx and each
+//     worker's). The consumers are `run`'s, unchanged.
 //   Rows past n and windows past K' read ranks 0 (TMA zero fill): pair (0, 1), valid nibbles,
 //   whose values are zero (A zero filled) or meet zero activations (X' zero filled).
-//   Stage: A 8 KB, X' 32 KB, metadata words 2 KB, ranks 4 KB; 4 stages.
+//   Stage: A 8 KB, X' 32 KB, metadata words 2 KB, and the ranks' 4 KB without the ring; 4 stages
+//   (the ring: 8 x 4 KB).
 
 // Timing probes of the bench alone (wrong results): 1 skips the expansion, 2 the rank loads too.
 #ifndef SPGEMM_COMPACT_PROBE
 #define SPGEMM_COMPACT_PROBE 0
 #endif
 
-template <int BN_>
+template <int BN_, bool RING_>
 struct CfgCompact {
     static constexpr int BN = BN_, BK = 128;
+    static constexpr bool RING = RING_;
     static constexpr int A_BYTES = 128 * BK / 2;
     static constexpr int B_HALF = BN * 128;
     static constexpr int B_BYTES = B_HALF;
     static constexpr int KSTEPS = BK / 64;
     static constexpr int E_BYTES = 2 * 128 * KSTEPS * 4;
-    static constexpr int R_ROW = 32;  // rank bytes per row per stage (one TMA box row)
+    static constexpr int R_ROW = 32;  // rank bytes per row per k-tile (one TMA box row)
     static constexpr int R_BYTES = 128 * R_ROW;
+    // Without the ring a stage holds its k-tile's ranks at R_OFF; with it they have RING_SLOTS
+    // slots of their own after the stages, loaded RING_SLOTS - 1 k-tiles ahead.
     static constexpr int R_OFF = A_BYTES + B_BYTES + E_BYTES;
-    static constexpr int STAGE = A_BYTES + B_BYTES + E_BYTES + R_BYTES;
+    static constexpr int RING_SLOTS = 8;
+    static constexpr int STAGE = A_BYTES + B_BYTES + E_BYTES + (RING ? 0 : R_BYTES);
+    static constexpr int RING_BYTES = RING ? RING_SLOTS * R_BYTES : 0;
     static constexpr int TABLE_BYTES = 4 * SPGEMM_RANK_TABLE;
-    static constexpr int FIT = (SPGEMM_WS_SMEM_LIMIT - 1024 - 256 - TABLE_BYTES) / STAGE;
+    static constexpr int FIT = (SPGEMM_WS_SMEM_LIMIT - 1024 - 256 - TABLE_BYTES - RING_BYTES) / STAGE;
     static constexpr int STAGES = FIT < 8 ? FIT : 8;
-    static constexpr int SMEM = STAGES * STAGE + 1024 + 256 + TABLE_BYTES;
+    static constexpr int RSLOTS = RING ? RING_SLOTS : STAGES;  // rank slots (a barrier pair each)
+    static constexpr int SMEM = STAGES * STAGE + RING_BYTES + 1024 + 256 + TABLE_BYTES;
     static constexpr int ACC = BN / 2;
     static constexpr int WORKERS = 96;  // warps 1-3 of the producer warpgroup
     static_assert(STAGE % 1024 == 0 && A_BYTES % 1024 == 0 && B_HALF % 1024 == 0, "1024-byte alignment of the swizzled parts");
-    static_assert(R_OFF % 128 == 0, "TMA destinations are 128-byte aligned");
-    static_assert(STAGES >= 3 && 8 * 3 * STAGES <= 256, "stages and their three barriers");
+    static_assert(R_OFF % 128 == 0 && R_BYTES % 128 == 0, "TMA destinations are 128-byte aligned");
+    static_assert(STAGES >= 3 && 8 * (2 * STAGES + 2 * RSLOTS) <= 256, "stages, rank slots and their barriers");
 };
 
 #if SPGEMM_HAS_WGMMA
+// Rank slot r's barriers: `rank_full` (the TMA's expect-tx arrival and its bytes), `rank_empty`
+// (the ring only: every worker's arrival once it expanded the slot).
 template <class C>
-__device__ __forceinline__ u32 rank_bar(u32 bars, int s) { return bars + 8 * (2 * C::STAGES + s); }
+__device__ __forceinline__ u32 rank_full_bar(u32 bars, int r) { return bars + 8 * (2 * C::STAGES + r); }
+template <class C>
+__device__ __forceinline__ u32 rank_empty_bar(u32 bars, int r) { return bars + 8 * (2 * C::STAGES + C::RSLOTS + r); }
+// Where k-tile kt's ranks land: its slot of the ring, or its stage.
+template <class C>
+__device__ __forceinline__ u32 rank_slot(u32 base, u32 ring, int kt) {
+    if constexpr (C::RING) return ring + (u32)((kt % C::RSLOTS) * C::R_BYTES);
+    return base + (u32)((kt % C::STAGES) * C::STAGE + C::R_OFF);
+}
 
 __device__ __forceinline__ u32 lds32(u32 addr) {
     u32 v;
@@ -1224,26 +1245,43 @@ __device__ __forceinline__ int first_block(const SpGemmWsParams& p, int kt) { re
 // rank rounded down to 16 (a TMA box starting off a 16-byte boundary faults).
 __device__ __forceinline__ int rank_byte(const SpGemmWsParams& p, int kt) { return first_block(p, kt) * p.rbits / 8 & ~15; }
 
-// The compact producer thread: A (kept codes), the X' tile and the stage's rank bytes.
+// Loads k-tile kt's rank bytes into its slot (with the ring: once the workers released the
+// slot's previous k-tile; without it the stage's release covers them).
 template <class C>
-__device__ __forceinline__ void produce_compact(const SpGemmWsParams& p, u32 base, u32 bars) {
+__device__ __forceinline__ void load_ranks(const SpGemmWsParams& p, u32 base, u32 ring, u32 bars, int kt, int n0) {
+    const int r = kt % C::RSLOTS;
+    if constexpr (C::RING) mbar_wait(rank_empty_bar<C>(bars, r), ((kt / C::RSLOTS) & 1) ^ 1);
+    const u32 full = rank_full_bar<C>(bars, r);
+#if SPGEMM_COMPACT_PROBE == 2
+    mbar_arrive(full);
+#else
+    mbar_expect_tx(full, C::R_BYTES);
+    tma_2d(rank_slot<C>(base, ring, kt), &p.tr, full, rank_byte(p, kt), n0);
+#endif
+}
+
+// The compact producer thread: A (kept codes) and the X' tile of each stage, and each k-tile's
+// ranks: with the stage (first: the workers' expansion is on the path to `full`), or with the
+// ring RING_SLOTS - 1 k-tiles ahead, so that a stage's ranks are there when the stage frees and
+// the expansion overlaps the stage's own loads.
+template <class C>
+__device__ __forceinline__ void produce_compact(const SpGemmWsParams& p, u32 base, u32 ring, u32 bars) {
     int m0, nt;
     tile_of<C::BN, 1>(p, m0, nt);
     const int n0 = nt * 128;
+    constexpr int AHEAD = C::RING ? C::RSLOTS - 1 : 0;
+    for (int kt = 0; kt < AHEAD && kt < p.k_tiles; ++kt) load_ranks<C>(p, base, ring, bars, kt, n0);
     for (int kt = 0; kt < p.k_tiles; ++kt) {
         const int s = kt % C::STAGES;
         mbar_wait(empty_bar<C>(bars, s), ((kt / C::STAGES) & 1) ^ 1);
-        const u32 st = base + s * C::STAGE, full = full_bar<C>(bars, s), rk = rank_bar<C>(bars, s);
-        // The ranks first: the workers' expansion is on the path to `full`.
-#if SPGEMM_COMPACT_PROBE == 2
-        mbar_arrive(rk);
-#else
-        mbar_expect_tx(rk, C::R_BYTES);
-        tma_2d(st + C::R_OFF, &p.tr, rk, rank_byte(p, kt), n0);
-#endif
+        if constexpr (!C::RING) load_ranks<C>(p, base, ring, bars, kt, n0);
+        const u32 st = base + s * C::STAGE, full = full_bar<C>(bars, s);
         mbar_expect_tx(full, C::A_BYTES + C::B_BYTES);
         tma_2d(st, &p.ta, full, kt * (C::BK / 2), n0);
         tma_2d(st + C::A_BYTES, &p.tb, full, kt * C::BK, m0);
+        // Ring slot (kt + AHEAD) % RSLOTS held k-tile kt - 1, expanded before stage kt - 1 filled.
+        if constexpr (C::RING)
+            if (kt + AHEAD < p.k_tiles) load_ranks<C>(p, base, ring, bars, kt + AHEAD, n0);
     }
 }
 
@@ -1311,48 +1349,56 @@ __device__ __forceinline__ void expand_row(u32 ranks, u32 words, u32 table, int 
 
 // A metadata worker (0..95): rows worker and worker + 96 of every stage of this CTA, in order.
 template <class C>
-__device__ __forceinline__ void expand_metadata(const SpGemmWsParams& p, u32 base, u32 bars, u32 table, int worker) {
+__device__ __forceinline__ void expand_metadata(const SpGemmWsParams& p, u32 base, u32 ring, u32 bars, u32 table, int worker) {
     for (int kt = 0; kt < p.k_tiles; ++kt) {
         const int s = kt % C::STAGES;
         const int b0 = first_block(p, kt), j0 = kt * (C::BK / 4) - b0 * p.win;
         const int bit0 = b0 * p.rbits - 8 * rank_byte(p, kt);
-        // SAFETY (stage reuse): the ranks of use kt / STAGES landed, so the producer had waited for
-        // the consumers' release of this stage's previous use: its metadata words are free to
-        // overwrite. The workers arrive on `full` once per use, so they are never a phase ahead.
-        mbar_wait(rank_bar<C>(bars, s), (kt / C::STAGES) & 1);
-        const u32 st = base + s * C::STAGE;
+        // SAFETY (stage reuse): the stage's metadata words are free to overwrite once the
+        // consumers released its previous use. Without the ring the ranks are loaded after that
+        // release, so their arrival says it; with it the workers wait on the release themselves
+        // (the producer waits on the same phase). The workers arrive on `full` once per use, so
+        // that phase cannot pass before they do.
+        if constexpr (C::RING) mbar_wait(empty_bar<C>(bars, s), ((kt / C::STAGES) & 1) ^ 1);
+        mbar_wait(rank_full_bar<C>(bars, kt % C::RSLOTS), (kt / C::RSLOTS) & 1);
+        const u32 words = base + s * C::STAGE + C::A_BYTES + C::B_BYTES, slot = rank_slot<C>(base, ring, kt);
 #if SPGEMM_COMPACT_PROBE == 0
-        for (int r = worker; r < 128; r += C::WORKERS) {
-            const u32 ranks = st + C::R_OFF + r * C::R_ROW, words = st + C::A_BYTES + C::B_BYTES;
+        for (int row = worker; row < 128; row += C::WORKERS) {
+            const u32 ranks = slot + row * C::R_ROW;
             switch (p.win) {  // warp-uniform; the host sets rbits = compact.rs rank_bits(pattern)
-                case 1: expand_row<C, 1, 3>(ranks, words, table, r, j0, bit0); break;
-                case 2: expand_row<C, 2, 4>(ranks, words, table, r, j0, bit0); break;
-                case 3: expand_row<C, 3, 5>(ranks, words, table, r, j0, bit0); break;
-                case 4: expand_row<C, 4, 6>(ranks, words, table, r, j0, bit0); break;
-                case 5: expand_row<C, 5, 7>(ranks, words, table, r, j0, bit0); break;
-                case 6: expand_row<C, 6, 7>(ranks, words, table, r, j0, bit0); break;
-                default: expand_row<C, 7, 7>(ranks, words, table, r, j0, bit0); break;
+                case 1: expand_row<C, 1, 3>(ranks, words, table, row, j0, bit0); break;
+                case 2: expand_row<C, 2, 4>(ranks, words, table, row, j0, bit0); break;
+                case 3: expand_row<C, 3, 5>(ranks, words, table, row, j0, bit0); break;
+                case 4: expand_row<C, 4, 6>(ranks, words, table, row, j0, bit0); break;
+                case 5: expand_row<C, 5, 7>(ranks, words, table, row, j0, bit0); break;
+                case 6: expand_row<C, 6, 7>(ranks, words, table, row, j0, bit0); break;
+                default: expand_row<C, 7, 7>(ranks, words, table, row, j0, bit0); break;
             }
         }
 #endif
-        // Release: this thread's words are visible to the consumers that acquire `full`.
+        // The ring slot was read (its loads' values were used) ...
+        if constexpr (C::RING) mbar_arrive(rank_empty_bar<C>(bars, kt % C::RSLOTS));
+        // ... and this thread's words are visible to the consumers that acquire `full`.
         mbar_arrive(full_bar<C>(bars, s));
     }
 }
 #endif  // SPGEMM_HAS_WGMMA
 
-template <int BN, int OUT>
+template <int BN, int OUT, bool RING>
 __device__ __forceinline__ void run_compact(const SpGemmWsParams& p, unsigned char* smem) {
 #if SPGEMM_HAS_WGMMA
-    using C = CfgCompact<BN>;
+    using C = CfgCompact<BN, RING>;
     const int tid = threadIdx.x, wg = tid >> 7;
     const u32 base = (spgemm::smem_u32(smem) + 1023u) & ~1023u;
-    const u32 bars = base + C::STAGES * C::STAGE, table = bars + 256;
+    const u32 ring = base + C::STAGES * C::STAGE, bars = ring + C::RING_BYTES, table = bars + 256;
     if (tid == 0) {
         for (int s = 0; s < C::STAGES; ++s) {
             mbar_init(full_bar<C>(bars, s), 1 + C::WORKERS);  // the expect-tx arrival and every worker's
             mbar_init(empty_bar<C>(bars, s), 8);
-            mbar_init(rank_bar<C>(bars, s), 1);
+        }
+        for (int r = 0; r < C::RSLOTS; ++r) {
+            mbar_init(rank_full_bar<C>(bars, r), 1);
+            if (C::RING) mbar_init(rank_empty_bar<C>(bars, r), C::WORKERS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -1361,9 +1407,9 @@ __device__ __forceinline__ void run_compact(const SpGemmWsParams& p, unsigned ch
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (tid == 0) {
-            produce_compact<C>(p, base, bars);
+            produce_compact<C>(p, base, ring, bars);
         } else if (tid >= 32) {
-            expand_metadata<C>(p, base, bars, table, tid - 32);
+            expand_metadata<C>(p, base, ring, bars, table, tid - 32);
         }
         return;
     }
@@ -1411,22 +1457,24 @@ extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1)
 }
 
 // grid ceil(m / BN) * n_tiles (1-D, no cluster), SPGEMM_WS_THREADS threads,
-// spgemm_ws::CfgCompact<BN>::SMEM bytes of dynamic shared memory; `ta` over the compact kept codes
+// spgemm_ws::CfgCompact<BN, RING>::SMEM bytes of dynamic shared memory; `ta` over the compact kept codes
 // (box {64, 128}, SWIZZLE_64B), `tr` over the packed ranks (box {32, 128}, no swizzle), `win`,
 // `rbits` and `table` set; `e` unused.
-#define SPGEMM_WS_COMPACT_KERNEL(NAME, BN, OUT)                                                              \
+#define SPGEMM_WS_COMPACT_KERNEL(NAME, BN, OUT, RING)                                                        \
     extern "C" __global__ void __launch_bounds__(SPGEMM_WS_THREADS, 1) NAME(const __grid_constant__ SpGemmWsParams p) { \
         extern __shared__ __align__(1024) unsigned char spgemm_smem[];                                       \
-        spgemm_ws::run_compact<BN, OUT>(p, spgemm_smem);                                                     \
+        spgemm_ws::run_compact<BN, OUT, RING>(p, spgemm_smem);                                               \
     }
 
-SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0)
-SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1)
+SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0, false)
+SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1, false)
+// The ranks in a ring of their own (bench-spgemm only, spgemm_ws::CfgCompact<256, true>::SMEM).
+SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact_ring, 256, 0, true)
 // Their dynamic shared memory, for the host (cuModuleGetGlobal). The braced linkage block keeps
 // this a definition under nvcc too (`extern "C" __constant__ int x = ..;` is an undefined
 // reference in nvcc's host registration code).
 extern "C" {
-__constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256>::SMEM;
+__constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256, false>::SMEM;
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -1466,6 +1514,6 @@ __constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256>::SMEM;
 // on the precomputed metadata (H100, M = 4096: 1.60x qkv, 1.61x o, 1.69x gate_up, 2.13x down):
 // the stage waits for its ranks and their expansion. The timing probes (-DSPGEMM_COMPACT_PROBE,
 // wrong results) split gate_up / down: 1494 / 764 us, without the expansion 1024 / 500, without
-// the rank loads too 775 / 346. Next: the ranks and the metadata words in rings of their own,
-// deeper than the A / X' stages, so the workers run ahead of the consumers and only their
-// throughput counts.
+// the rank loads too 775 / 346. `_compact_ring` (the ranks 7 k-tiles ahead in a ring of their
+// own): NVRTC-compiled for every target, not yet run. Next: the metadata words in a ring of their
+// own too, so the workers run ahead of the consumers and only their throughput counts.
