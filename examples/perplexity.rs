@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p slidesparse-examples --example perplexity -- --text FILE[@START]
 //!   [--text FILE2 ...] [--max-tokens N] [--window 512] [--stride 256] [--patterns 2:4,6:8]
-//!   [--precisions f32,int8] [--prune magnitude,wanda,ria,sparsegpt] [--calibration FILE[@START]
+//!   [--precisions f32,int8] [--prune magnitude,wanda,sparsegpt] [--calibration FILE[@START]
 //!   ...] [--calibration-tokens 256] [--calibration-seq 512] [--permutations none,search]`
 //!
 //! `FILE@START` skips the first `START` tokens of the file. Wanda and SparseGPT are calibrated
@@ -58,12 +58,11 @@ struct Args {
     patterns: String,
     #[arg(long, default_value = "f32,int8")]
     precisions: String,
-    /// `magnitude`, `wanda` (activation-aware), `ria` (relative importance and activations)
-    /// and/or `sparsegpt` (weight reconstruction,
+    /// `magnitude`, `wanda` (activation-aware) and/or `sparsegpt` (weight reconstruction,
     /// layer after layer); the last two are calibrated on `--calibration`.
     #[arg(long, default_value = "magnitude,wanda")]
     prune: String,
-    /// Calibration text for `wanda`, `ria` and `sparsegpt`, `FILE` or `FILE@START`; repeat the flag
+    /// Calibration text for `wanda` and `sparsegpt`, `FILE` or `FILE@START`; repeat the flag
     /// to calibrate on several texts (`--calibration-tokens` from each).
     #[arg(long, default_value = "/usr/share/common-licenses/Apache-2.0")]
     calibration: Vec<String>,
@@ -133,9 +132,9 @@ fn main() -> Result<(), Error> {
     let methods: Vec<&str> = args.prune.split(',').map(str::trim).collect();
     if let Some(m) = methods
         .iter()
-        .find(|m| !["magnitude", "wanda", "ria", "sparsegpt"].contains(m))
+        .find(|m| !["magnitude", "wanda", "sparsegpt"].contains(m))
     {
-        return Err(format!("unknown --prune {m}: magnitude, wanda, ria or sparsegpt").into());
+        return Err(format!("unknown --prune {m}: magnitude, wanda or sparsegpt").into());
     }
     if !["obs", "wanda"].contains(&args.sparsegpt_permutation_score.as_str()) {
         return Err(format!(
@@ -207,9 +206,7 @@ fn evaluate<B: SlideSparseBackend>(
         }
     }
     let norms = match &calib {
-        Some(batch) if methods.iter().any(|m| ["wanda", "ria"].contains(m)) => {
-            dense.input_norms(batch.clone())
-        }
+        Some(batch) if methods.contains(&"wanda") => dense.input_norms(batch.clone()),
         _ => Default::default(),
     };
     let permutations: Vec<bool> = args
@@ -224,9 +221,9 @@ fn evaluate<B: SlideSparseBackend>(
     for &method in methods {
         for pattern in args.patterns.split(',') {
             let pattern: SparsityPattern = pattern.trim().parse()?;
-            // Magnitude, Wanda and RIA orders depend on the dense weights only: searched once.
+            // Magnitude and Wanda orders depend on the dense weights only: searched once.
             let orders = match (method, permutations.contains(&true)) {
-                ("magnitude" | "wanda" | "ria", true) => {
+                ("magnitude" | "wanda", true) => {
                     Some(search_orders(args, &dense, pattern, |name| {
                         row_method(method, &norms, name)
                     })?)
@@ -296,13 +293,10 @@ impl PruneJob<'_> {
     }
 }
 
-/// The prune method of a row-local method (`magnitude`, `wanda`, `ria`) for layer `name`.
+/// The prune method of a row-local method (`magnitude`, `wanda`) for layer `name`.
 fn row_method(method: &str, norms: &HashMap<String, Vec<f32>>, name: &str) -> PruneMethod {
     match (method, norms.get(name)) {
         ("wanda", Some(n)) => PruneMethod::ActivationAware {
-            input_norms: n.clone(),
-        },
-        ("ria", Some(n)) => PruneMethod::RelativeImportance {
             input_norms: n.clone(),
         },
         _ => PruneMethod::Magnitude,

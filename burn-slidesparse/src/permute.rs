@@ -134,18 +134,13 @@ impl InputPermutation {
         out
     }
 
-    /// `method` for the permuted weight: its per-channel calibration (Wanda's and RIA's norms,
+    /// `method` for the permuted weight: its per-channel calibration (Wanda's norms,
     /// SparseGPT's Gram matrix) in the permuted order, so that pruning the permuted weight
     /// scores every weight exactly as the unpermuted method would.
     pub fn permute_method(&self, method: &PruneMethod) -> PruneMethod {
         match method {
             PruneMethod::ActivationAware { input_norms } if input_norms.len() == self.len() => {
                 PruneMethod::ActivationAware {
-                    input_norms: self.permute_vector(input_norms),
-                }
-            }
-            PruneMethod::RelativeImportance { input_norms } if input_norms.len() == self.len() => {
-                PruneMethod::RelativeImportance {
                     input_norms: self.permute_vector(input_norms),
                 }
             }

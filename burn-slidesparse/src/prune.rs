@@ -35,15 +35,6 @@ pub enum PruneMethod {
     /// The kept weights change: the result minimizes `||X W^T - X Ŵ^T||` far better than
     /// choosing a mask alone. Needs the layer's calibration Gram matrix.
     SparseGpt(SparseGptCalibration),
-    /// RIA ("relative importance and activations"): keep the `2N-2` best
-    /// `|W[n,k]| * (1 / Σ_j |W[n,j]| + 1 / Σ_m |W[m,k]|) * sqrt(||X[:,k]||_2)` of every
-    /// block: a weight's magnitude relative to its row's and to its input channel's, weighted
-    /// by the square root of the channel's activation norm (so a channel of large activations
-    /// counts, but less than in Wanda's score).
-    RelativeImportance {
-        /// `||X[:,k]||_2` for every input channel `k`.
-        input_norms: Vec<f32>,
-    },
     /// Do not prune: the weight must already satisfy the pattern (checked).
     None,
 }
@@ -54,7 +45,6 @@ impl fmt::Display for PruneMethod {
             PruneMethod::Magnitude => "magnitude",
             PruneMethod::ActivationAware { .. } => "activation-aware",
             PruneMethod::SparseGpt(_) => "sparsegpt",
-            PruneMethod::RelativeImportance { .. } => "relative-importance",
             PruneMethod::None => "none",
         })
     }
@@ -68,18 +58,16 @@ impl FromStr for PruneMethod {
         match s {
             "magnitude" => Ok(PruneMethod::Magnitude),
             "none" => Ok(PruneMethod::None),
-            "wanda" | "activation-aware" | "sparsegpt" | "ria" | "relative-importance" => {
-                Err(SlideSparseError::Backend(format!(
-                    "prune method {s:?} needs calibration activations from a forward pass of \
-                     the model, which packing a checkpoint file does not run: select it through \
-                     the API (PruneMethod::{}), or use magnitude or none",
-                    match s {
-                        "sparsegpt" => "SparseGpt",
-                        "ria" | "relative-importance" => "RelativeImportance",
-                        _ => "ActivationAware",
-                    }
-                )))
-            }
+            "wanda" | "activation-aware" | "sparsegpt" => Err(SlideSparseError::Backend(format!(
+                "prune method {s:?} needs calibration activations from a forward pass of the \
+                 model, which packing a checkpoint file does not run: select it through the API \
+                 (PruneMethod::{}), or use magnitude or none",
+                if s == "sparsegpt" {
+                    "SparseGpt"
+                } else {
+                    "ActivationAware"
+                }
+            ))),
             _ => Err(SlideSparseError::Backend(format!(
                 "invalid prune method {s:?}: expected magnitude or none (activation-aware and \
                  SparseGPT pruning need calibration data and are selected through the API)"
@@ -130,16 +118,6 @@ pub fn prune(
         }),
         RowPruner::Matrix(pruned) => Ok(pruned.into_owned()),
         RowPruner::Gridded { values, .. } => Ok(values),
-        pruner @ RowPruner::Relative(_) => {
-            let mut out = vec![0.0f32; values.len()];
-            if cols > 0 {
-                out.par_chunks_mut(cols)
-                    .zip(values.par_chunks(cols))
-                    .enumerate()
-                    .for_each(|(r, (row, src))| pruner.prune_row(r, src, row, pattern));
-            }
-            Ok(out)
-        }
     }
 }
 
@@ -154,8 +132,6 @@ pub(crate) enum RowPruner<'a> {
     /// The whole pruned matrix, computed up front (SparseGPT's column sweep couples a row's
     /// columns through the Hessian; `None` is the input itself, checked).
     Matrix(Cow<'a, [f32]>),
-    /// Scored row by row with RIA's score (the row's own term from the row itself).
-    Relative(RelativeTerms),
     /// As `Matrix`, with every row on an 8-bit grid of its own scale (SparseGPT with a
     /// [`KeptWeightGrid`]): the row must be quantized with that scale.
     Gridded {
@@ -182,10 +158,6 @@ impl RowPruner<'_> {
             RowPruner::Scored {
                 input_norms: Some(norms),
             } => prune_row_by_score(src, dst, pattern, |k, w| w.abs() * norms[k]),
-            RowPruner::Relative(terms) => {
-                let row = inverse_or_zero(src.iter().map(|w| f64::from(w.abs())).sum());
-                prune_row_by_score(src, dst, pattern, |k, w| terms.score(row, k, w))
-            }
             RowPruner::Matrix(m) => dst.copy_from_slice(&m[r * src.len()..(r + 1) * src.len()]),
             RowPruner::Gridded { values, .. } => {
                 dst.copy_from_slice(&values[r * src.len()..(r + 1) * src.len()])
@@ -229,18 +201,22 @@ pub(crate) fn row_pruner<'a>(
         }
         PruneMethod::Magnitude => Ok(RowPruner::Scored { input_norms: None }),
         PruneMethod::ActivationAware { input_norms } => {
-            check_input_norms(tensor, input_norms, cols)?;
+            if input_norms.len() != cols {
+                return Err(SlideSparseError::CalibrationMismatch {
+                    tensor: tensor.to_string(),
+                    expected: cols,
+                    actual: input_norms.len(),
+                });
+            }
+            if let Some(k) = input_norms.iter().position(|v| !v.is_finite() || *v < 0.0) {
+                return Err(SlideSparseError::Backend(format!(
+                    "{tensor}: activation norm of input channel {k} is {} (must be finite and >= 0)",
+                    input_norms[k]
+                )));
+            }
             Ok(RowPruner::Scored {
                 input_norms: Some(input_norms),
             })
-        }
-        PruneMethod::RelativeImportance { input_norms } => {
-            check_input_norms(tensor, input_norms, cols)?;
-            Ok(RowPruner::Relative(RelativeTerms::new(
-                values,
-                cols,
-                input_norms,
-            )))
         }
         PruneMethod::SparseGpt(calibration) => {
             let out = sparsegpt::prune_sparsegpt(tensor, values, rows, cols, pattern, calibration)?;
@@ -256,74 +232,6 @@ pub(crate) fn row_pruner<'a>(
             })
         }
     }
-}
-
-/// Checks per-input-channel activation norms: one per column, finite and >= 0.
-pub(crate) fn check_input_norms(tensor: &str, input_norms: &[f32], cols: usize) -> Result<()> {
-    if input_norms.len() != cols {
-        return Err(SlideSparseError::CalibrationMismatch {
-            tensor: tensor.to_string(),
-            expected: cols,
-            actual: input_norms.len(),
-        });
-    }
-    if let Some(k) = input_norms.iter().position(|v| !v.is_finite() || *v < 0.0) {
-        return Err(SlideSparseError::Backend(format!(
-            "{tensor}: activation norm of input channel {k} is {} (must be finite and >= 0)",
-            input_norms[k]
-        )));
-    }
-    Ok(())
-}
-
-/// The per-input-channel parts of RIA's score of one layer: `1 / Σ_m |W[m,k]|` and
-/// `sqrt(||X[:,k]||_2)`. A zero sum contributes 0 (its weights are all zero).
-pub(crate) struct RelativeTerms {
-    column: Vec<f32>,
-    activation: Vec<f32>,
-}
-
-impl RelativeTerms {
-    /// The terms of a row-major `[rows, cols]` weight (finite) and its input norms (checked).
-    pub(crate) fn new(values: &[f32], cols: usize, input_norms: &[f32]) -> Self {
-        let mut sums = vec![0.0f64; cols];
-        for row in values.chunks(cols.max(1)) {
-            for (s, w) in sums.iter_mut().zip(row) {
-                *s += f64::from(w.abs());
-            }
-        }
-        Self {
-            column: sums.into_iter().map(inverse_or_zero).collect(),
-            activation: input_norms.iter().map(|n| n.sqrt()).collect(),
-        }
-    }
-
-    /// The score of weight `w` of column `k` in a row whose term is `row` (`1 / Σ_j |W[n,j]|`).
-    #[inline]
-    pub(crate) fn score(&self, row: f32, k: usize, w: f32) -> f32 {
-        w.abs() * (row + self.column[k]) * self.activation[k]
-    }
-
-    /// Every weight's score, row-major: what the permutation search orders channels by.
-    pub(crate) fn scores(&self, values: &[f32], cols: usize) -> Vec<f32> {
-        let mut out = vec![0.0f32; values.len()];
-        if cols > 0 {
-            out.par_chunks_mut(cols)
-                .zip(values.par_chunks(cols))
-                .for_each(|(dst, src)| {
-                    let row = inverse_or_zero(src.iter().map(|w| f64::from(w.abs())).sum());
-                    for (k, (d, &w)) in dst.iter_mut().zip(src).enumerate() {
-                        *d = self.score(row, k, w);
-                    }
-                });
-        }
-        out
-    }
-}
-
-/// `1 / sum` as f32, 0 for a zero sum.
-fn inverse_or_zero(sum: f64) -> f32 {
-    if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 }
 }
 
 fn check_shape(tensor: &str, values: &[f32], rows: usize, cols: usize) -> Result<()> {
@@ -536,120 +444,6 @@ mod tests {
                 "case {case}"
             );
         }
-    }
-
-    /// RIA's score computed from scratch: `|w| (1 / row sum + 1 / column sum) sqrt(norm)`,
-    /// the sums in f64 and the rest in f32 in the library's order (so that ties are ties).
-    fn ria_reference(values: &[f32], rows: usize, cols: usize, norms: &[f32]) -> Vec<f32> {
-        let inv = |s: f64| if s > 0.0 { (1.0 / s) as f32 } else { 0.0 };
-        let row_sum = |r: usize| {
-            (0..cols)
-                .map(|k| f64::from(values[r * cols + k].abs()))
-                .sum()
-        };
-        let col_sum = |k: usize| {
-            (0..rows)
-                .map(|r| f64::from(values[r * cols + k].abs()))
-                .sum()
-        };
-        let mut scores = vec![0.0f32; rows * cols];
-        for r in 0..rows {
-            for k in 0..cols {
-                let w = values[r * cols + k];
-                scores[r * cols + k] =
-                    w.abs() * (inv(row_sum(r)) + inv(col_sum(k))) * norms[k].sqrt();
-            }
-        }
-        scores
-    }
-
-    /// Random weights with ties, every pattern: RIA drops in every block exactly the columns
-    /// that sorting its reference scores drops.
-    #[test]
-    fn relative_importance_equals_sorting_its_scores() {
-        let mut rng = crate::test_rng::XorShift32(0x0bad_cafe);
-        let mut next = move || rng.next_u32();
-        for case in 0..2000 {
-            let pattern = SparsityPattern::from_n(2 + next() % 15).unwrap();
-            let (rows, cols) = (1 + (next() % 5) as usize, 1 + (next() % 60) as usize);
-            let values: Vec<f32> = (0..rows * cols)
-                .map(|_| (next() % 7) as f32 - 3.0)
-                .collect();
-            let norms: Vec<f32> = (0..cols).map(|_| (next() % 4) as f32 * 0.5).collect();
-            let scores = ria_reference(&values, rows, cols, &norms);
-            let mut want = values.clone();
-            for (r, row) in want.chunks_mut(cols).enumerate() {
-                for start in (0..cols).step_by(pattern.block_len()) {
-                    let end = (start + pattern.block_len()).min(cols);
-                    let score = |k: usize| scores[r * cols + k];
-                    let mut order: Vec<usize> = (start..end).collect();
-                    order.sort_by(|&a, &b| score(a).total_cmp(&score(b)).then(b.cmp(&a)));
-                    for &k in &order[..(end - start).saturating_sub(pattern.nonzeros())] {
-                        row[k] = 0.0;
-                    }
-                }
-                row.iter_mut().filter(|v| **v == 0.0).for_each(|v| *v = 0.0);
-            }
-            let method = PruneMethod::RelativeImportance {
-                input_norms: norms.clone(),
-            };
-            let got = prune("w", &values, rows, cols, pattern, &method).unwrap();
-            assert_eq!(got, want, "case {case} {pattern} {rows}x{cols}");
-            // The packer's row pass (the same pruner, row by row) agrees.
-            let pruner = row_pruner("w", &values, rows, cols, pattern, &method).unwrap();
-            let mut row = vec![0.0f32; cols];
-            for r in 0..rows {
-                pruner.prune_row(r, &values[r * cols..(r + 1) * cols], &mut row, pattern);
-                assert_eq!(row, want[r * cols..(r + 1) * cols], "case {case} row {r}");
-            }
-        }
-    }
-
-    /// A weight that is small but the only one of its input channel outweighs larger weights
-    /// of channels that other rows load: RIA keeps it where magnitude (and Wanda with equal
-    /// norms) drops it.
-    #[test]
-    fn relative_importance_weighs_a_weight_against_its_column() {
-        let w = [1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 100.0, 100.0];
-        let ones = vec![1.0f32; 4];
-        let ria = PruneMethod::RelativeImportance {
-            input_norms: ones.clone(),
-        };
-        let wanda = PruneMethod::ActivationAware { input_norms: ones };
-        let p = SparsityPattern::P2_4;
-        let kept = |m: &PruneMethod| prune("w", &w, 2, 4, p, m).unwrap()[..4].to_vec();
-        assert_eq!(kept(&ria), [1.0, 1.0, 0.0, 0.0]);
-        assert_eq!(kept(&wanda), [0.0, 0.0, 2.0, 2.0]);
-        assert_eq!(kept(&PruneMethod::Magnitude), [0.0, 0.0, 2.0, 2.0]);
-    }
-
-    #[test]
-    fn relative_importance_checks_its_norms() {
-        let w = [1.0f32; 8];
-        let p = SparsityPattern::P2_4;
-        let short = PruneMethod::RelativeImportance {
-            input_norms: vec![1.0; 3],
-        };
-        assert!(matches!(
-            prune("w", &w, 2, 4, p, &short),
-            Err(SlideSparseError::CalibrationMismatch {
-                expected: 4,
-                actual: 3,
-                ..
-            })
-        ));
-        let nan = PruneMethod::RelativeImportance {
-            input_norms: vec![1.0, f32::NAN, 1.0, 1.0],
-        };
-        let err = prune("w", &w, 2, 4, p, &nan).unwrap_err().to_string();
-        assert!(err.contains("input channel 1"), "{err}");
-        assert!(
-            "ria"
-                .parse::<PruneMethod>()
-                .unwrap_err()
-                .to_string()
-                .contains("RelativeImportance")
-        );
     }
 
     #[test]

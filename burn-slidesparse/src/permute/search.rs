@@ -32,7 +32,7 @@ use super::{InputPermutation, PermutationSearch};
 use crate::{
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
-    prune::{PruneMethod, RelativeTerms, check_finite, check_input_norms, obs_column_factors},
+    prune::{PruneMethod, check_finite, obs_column_factors},
 };
 
 /// A position past `K` in the last, partial block: it holds no channel and scores zero, as
@@ -115,15 +115,6 @@ impl Scores {
             }
             check_finite(name, weight, cols)?;
             let factors = column_factors(name, method, cols)?;
-            // RIA's score is not `|w|` times a column factor (its row term): its scores
-            // themselves, with unit factors.
-            let scored = match method {
-                PruneMethod::RelativeImportance { input_norms } => {
-                    Some(RelativeTerms::new(weight, cols, input_norms).scores(weight, cols))
-                }
-                _ => None,
-            };
-            let weight = scored.as_deref().unwrap_or(weight);
             transpose_squared(weight, layer_rows, &factors, &mut data, (offset, rows));
             offset += layer_rows;
         }
@@ -156,15 +147,10 @@ impl Scores {
     }
 }
 
-/// Per input channel, the factor `c_k` of the score `|w| * c_k` of `method` (RIA: 1, its
-/// scores are computed whole).
+/// Per input channel, the factor `c_k` of the score `|w| * c_k` of `method`.
 fn column_factors(name: &str, method: &PruneMethod, cols: usize) -> Result<Vec<f32>> {
     match method {
         PruneMethod::Magnitude => Ok(vec![1.0; cols]),
-        PruneMethod::RelativeImportance { input_norms } => {
-            check_input_norms(name, input_norms, cols)?;
-            Ok(vec![1.0; cols])
-        }
         PruneMethod::ActivationAware { input_norms } => {
             if input_norms.len() != cols {
                 return Err(SlideSparseError::CalibrationMismatch {

@@ -35,11 +35,10 @@ enum Command {
         /// int8, fp8, bf16, f16 or f32.
         #[arg(long, default_value = "int8")]
         precision: Precision,
-        /// magnitude, or none (the weights must already satisfy the pattern). Wanda, RIA and
+        /// magnitude, or none (the weights must already satisfy the pattern). Wanda and
         /// SparseGPT need calibration activations from a forward pass of the model, which
         /// this command does not run: use the library (`PruneMethod::ActivationAware`,
-        /// `PruneMethod::RelativeImportance`, `PruneMethod::SparseGpt`) or the perplexity
-        /// example's pipeline.
+        /// `PruneMethod::SparseGpt`) or the perplexity example's pipeline.
         #[arg(long, default_value = "magnitude")]
         prune: PruneMethod,
         /// Regular expression selecting the tensors to pack (default: every `*.weight`
