@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|test BINARY...|gemm|gemv|spgemm|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|test BINARY...|gemm|gemv|spgemm|spgemm-compact|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
@@ -115,6 +115,29 @@ if [ "$what" = spgemm ]; then
   echo "wgmma peak exit code: $?"
   tail -3 "$OUT/wgmma-peak.err"
   cat "$OUT/wgmma-peak.md"
+fi
+if [ "$what" = spgemm-compact ]; then
+  # The compact kernels beside ws n256 k128 (precomputed metadata) and cuBLASLt's dense INT8 GEMM
+  # at K, every Llama shape at one M (default 4096; extra args go to the binary, e.g. --m 16384),
+  # and the timing probes that split their cost: built with SPGEMM_COMPACT_PROBE=1 the compact
+  # kernels skip the metadata expansion, =2 the rank loads too (wrong results, timed anyway).
+  for probe in 0 1 2; do
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -DSPGEMM_COMPACT_PROBE=$probe \
+      -I burn-slidesparse/src/cuda/kernels scripts/bench-spgemm.cu -lcublasLt -o /tmp/bench-spgemm-p$probe \
+      > "$OUT/spgemm-compact-p$probe.err" 2>&1 &
+  done
+  wait
+  for probe in 0 1 2; do
+    m_args=("$@"); [ ${#m_args[@]} -eq 0 ] && m_args=(--m 4096)
+    timeout "${SPGEMM_TIMEOUT_S:-300}" /tmp/bench-spgemm-p$probe "${m_args[@]}" > "$OUT/spgemm-compact-p$probe.md" 2>> "$OUT/spgemm-compact-p$probe.err"
+    echo "probe $probe exit code: $? (0: the kernels; 1: no expansion; 2: no expansion, no rank loads)"
+    # shape, M, ws n256 k128, compact, compact bf16, compact ring, cuBLASLt dense at K (us)
+    awk -F'|' -v p=$probe '/^\| llama .*\(/ {
+      for (i = 1; i <= NF; i++) { gsub(/^ +| +$/, "", $i) }
+      printf "p%s %s M=%s: ws n256 k128 %s, compact %s, compact bf16 %s, compact ring %s, cuBLASLt K %s us\n", p, $2, $4, $8, $14, $15, $16, $20 }' \
+      "$OUT/spgemm-compact-p$probe.md"
+  done
+  grep -hE "checks exact|FAILED" "$OUT"/spgemm-compact-p0.md
 fi
 if [ "$what" = spgemm-profile ]; then
   # Nsight Compute on the ws n256 k128 sparse GEMM: every Llama 6:8 shape at M = 1024 / 4096 / 16384,
