@@ -270,7 +270,16 @@ struct CacheSlot<'a, B: Backend> {
     capacity: usize,
 }
 
-impl<B: Backend> CacheSlot<'_, B> {
+impl<'a, B: Backend> CacheSlot<'a, B> {
+    /// An empty slot for a single pass over `t` positions from 0 (a block run alone).
+    fn scratch(slot: &'a mut Option<(Tensor<B, 4>, Tensor<B, 4>)>, t: usize) -> Self {
+        Self {
+            slot,
+            start: 0,
+            capacity: t,
+        }
+    }
+
     /// The cache tensors `[batch, capacity, kv_heads, hd]`, with room for `t` more
     /// positions (a grown cache keeps the first `start` positions), in `like`'s dtype.
     fn reserve(
@@ -348,13 +357,8 @@ impl<B: SlideSparseBackend> Llama<B> {
         x: Tensor<B, 3>,
         observer: Observer<'_, B>,
     ) -> Tensor<B, 3> {
-        let t = x.dims()[1];
         let mut local = None;
-        let mut cache = CacheSlot {
-            slot: &mut local,
-            start: 0,
-            capacity: t,
-        };
+        let mut cache = CacheSlot::scratch(&mut local, x.dims()[1]);
         let (h, delta) = self.blocks[index].forward(
             (x, None),
             &mut cache,
@@ -388,13 +392,8 @@ impl<B: SlideSparseBackend> Llama<B> {
         let input = walk.input.clone();
         walk.input = match walk.group {
             0 => {
-                let t = input.dims()[1];
                 let mut local = None;
-                let mut cache = CacheSlot {
-                    slot: &mut local,
-                    start: 0,
-                    capacity: t,
-                };
+                let mut cache = CacheSlot::scratch(&mut local, input.dims()[1]);
                 let qkv = block.qkv(input, &mut |_, _| {});
                 block.rope_attention(qkv, &mut cache, self.attention_of())
             }
