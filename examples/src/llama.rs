@@ -406,14 +406,7 @@ impl<B: SlideSparseBackend> Llama<B> {
                 walk.residual = h;
                 m
             }
-            2 => match &block.mlp_in {
-                Projections::Fused(gate_up) => {
-                    step("SiLU-gated product", silu_mul(gate_up.forward(input)))
-                }
-                Projections::Separate(layers) => {
-                    activation::silu(layers[0].forward(input.clone())) * layers[1].forward(input)
-                }
-            },
+            2 => block.gated_product(input),
             3 => walk.residual.clone() + block.down.forward(input),
             _ => panic!("walk_step: block {} is already walked through", walk.index),
         };
@@ -645,17 +638,14 @@ impl<B: SlideSparseBackend> Block<B> {
         observer("o_proj", &out);
         let attended = self.o.forward(out);
         let (h, m) = step("norm", add_rms_norm(x, attended, &self.mlp_norm));
-        let inner = match &self.mlp_in {
-            Projections::Fused(gate_up) => {
-                observer("gate_up_proj", &m);
-                step("SiLU-gated product", silu_mul(gate_up.forward(m)))
-            }
-            Projections::Separate(layers) => {
+        match &self.mlp_in {
+            Projections::Fused(_) => observer("gate_up_proj", &m),
+            Projections::Separate(_) => {
                 observer("gate_proj", &m);
                 observer("up_proj", &m);
-                activation::silu(layers[0].forward(m.clone())) * layers[1].forward(m)
             }
-        };
+        }
+        let inner = self.gated_product(m);
         observer("down_proj", &inner);
         (h, self.down.forward(inner))
     }
@@ -694,6 +684,16 @@ impl<B: SlideSparseBackend> Block<B> {
             "decoder block",
             decoder_block((x, delta), &block, keys, values, options),
         )
+    }
+
+    /// `silu(gate(m)) * up(m)`: the down projection's input, from the fused layer or the two.
+    fn gated_product(&self, m: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.mlp_in {
+            Projections::Fused(gate_up) => step("SiLU-gated product", silu_mul(gate_up.forward(m))),
+            Projections::Separate(layers) => {
+                activation::silu(layers[0].forward(m.clone())) * layers[1].forward(m)
+            }
+        }
     }
 
     /// `[q | k | v]` of `x`: the fused layer's output, or the three layers' side by side.
