@@ -7,20 +7,73 @@
 //!
 //! Medians of `--reps` forwards after two warm-ups, the variants of a row timed alternately in
 //! one process; ratios against dense f32 and dense INT8 of the same row.
+//!
+//! First, the memory each layer holds once prepared: the heap bytes a `SlideSparseLinear` /
+//! `QuantizedLinear` on NdArray keeps alive after its first forward (module and prepared
+//! weight together, counted by this program's allocator), against the f32 weight's bytes.
 
-use std::time::{Duration, Instant};
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    sync::atomic::{AtomicIsize, Ordering},
+    time::{Duration, Instant},
+};
 
 use burn::{
     backend::NdArray,
     tensor::{Tensor, TensorData},
 };
 use burn_slidesparse::{
-    CpuInt8Layer, Isa, PackOptions, Precision, QuantizedWeight, SparsityPattern, pack_linear,
+    CpuInt8Layer, Isa, PackOptions, Precision, QuantizedLinear, QuantizedWeight, SlideSparseLinear,
+    SparsityPattern, pack_linear,
 };
 use clap::Parser;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 type Error = Box<dyn std::error::Error>;
+
+/// The system allocator, counting the bytes live on the heap.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every call goes to the system allocator with the caller's own arguments; the
+// counter is only added to.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's layout, as `GlobalAlloc::alloc` requires.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: `ptr` came from this allocator with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        // SAFETY: `ptr` came from this allocator with `layout`; the caller's new size.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Heap bytes that `build` leaves alive (in what it returns: everything else it made is
+/// dropped by then), with the value.
+fn resident<T>(build: impl FnOnce() -> Result<T, Error>) -> Result<(T, usize), Error> {
+    let before = LIVE.load(Ordering::Relaxed);
+    let value = build()?;
+    Ok((
+        value,
+        (LIVE.load(Ordering::Relaxed) - before).max(0) as usize,
+    ))
+}
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -72,6 +125,7 @@ fn main() -> Result<(), Error> {
         Isa::detect(),
         READ_BYTES >> 20
     );
+    memory_table(&shapes)?;
     println!(
         "| layer | N x K | M | f32 ms | dense INT8 ms | 6:8 INT8 ms | 6:8 / f32 | 6:8 / INT8 | \
          6:8 GB/s | 6:8 of read |"
@@ -84,8 +138,8 @@ fn main() -> Result<(), Error> {
         let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
         let (packed, _, _) = pack_linear("w", &w, n, k, None, &options)?;
         let sparse = CpuInt8Layer::sparse(packed.spec(), &packed.weight, None, None)?;
-        let dense =
-            CpuInt8Layer::dense(&QuantizedWeight::quantize(&w, n, k, Precision::Int8)?, None)?;
+        let quantized = QuantizedWeight::quantize(&w, n, k, Precision::Int8)?;
+        let dense = CpuInt8Layer::dense(quantized.into(), None)?;
         let wt: Tensor<NdArray, 2> =
             Tensor::from_data(TensorData::new(w.clone(), [n, k]), &Default::default());
         let wt = wt.transpose();
@@ -125,6 +179,66 @@ fn main() -> Result<(), Error> {
             );
         }
     }
+    Ok(())
+}
+
+/// Each layer's resident bytes once prepared (module docs), and the block's total.
+fn memory_table(shapes: &[Shape]) -> Result<(), Error> {
+    type B = NdArray;
+    let device = Default::default();
+    let mut rng = StdRng::seed_from_u64(11);
+    println!(
+        "| layer | N x K | f32 MiB | dense INT8 MiB | 6:8 INT8 MiB | INT8 / f32 | 6:8 / f32 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    let mut total = [0usize; 3];
+    // Whatever a first forward sets up once per process (rayon's pool, burn's device state)
+    // is set up before anything is counted.
+    let warm_up = QuantizedWeight::quantize(&[0.5; 64 * 64], 64, 64, Precision::Int8)?;
+    let x = Tensor::<B, 2>::from_data(TensorData::new(vec![0.5f32; 64], [1, 64]), &device);
+    QuantizedLinear::<B>::from_quantized_owned(warm_up, None, &device).try_forward(x)?;
+    for shape in shapes {
+        let (n, k) = (shape.n, shape.k);
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(vec![0.5f32; k], [1, k]), &device);
+        let options = PackOptions::new(SparsityPattern::P6_8, Precision::Int8);
+        let (sparse, sparse_bytes) = resident(|| {
+            let (packed, _, _) = pack_linear("w", &w, n, k, None, &options)?;
+            let layer = SlideSparseLinear::<B>::from_packed_owned(packed, &device);
+            layer.try_forward(x.clone())?;
+            Ok(layer)
+        })?;
+        let (dense, dense_bytes) = resident(|| {
+            let quantized = QuantizedWeight::quantize(&w, n, k, Precision::Int8)?;
+            let layer = QuantizedLinear::<B>::from_quantized_owned(quantized, None, &device);
+            layer.try_forward(x.clone())?;
+            Ok(layer)
+        })?;
+        let f32_bytes = 4 * n * k;
+        for (t, b) in total.iter_mut().zip([f32_bytes, dense_bytes, sparse_bytes]) {
+            *t += b;
+        }
+        println!(
+            "| {} | {n} x {k} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} |",
+            shape.name,
+            mib(f32_bytes),
+            mib(dense_bytes),
+            mib(sparse_bytes),
+            dense_bytes as f64 / f32_bytes as f64,
+            sparse_bytes as f64 / f32_bytes as f64
+        );
+        drop((sparse, dense));
+    }
+    let [f32_bytes, dense_bytes, sparse_bytes] = total;
+    println!(
+        "| block | | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} |\n",
+        mib(f32_bytes),
+        mib(dense_bytes),
+        mib(sparse_bytes),
+        dense_bytes as f64 / f32_bytes as f64,
+        sparse_bytes as f64 / f32_bytes as f64
+    );
     Ok(())
 }
 

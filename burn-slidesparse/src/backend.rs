@@ -23,8 +23,9 @@ use crate::{
 pub struct PackedTensors<B: Backend> {
     /// Pattern, precision and sizes.
     pub spec: LayerSpec,
-    /// `W' [out, K']` codes and per-output-channel scales.
-    pub weight: Arc<QuantizedWeight>,
+    /// `W' [out, K']` codes and per-output-channel scales (INT8 / FP8 in the compact layout,
+    /// [`HostCodes`](crate::compact::HostCodes)).
+    pub weight: crate::compact::HostCodes,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Tensor<B, 1>>,
     /// The device to prepare on.

@@ -5,7 +5,10 @@
 //! compressed weight on CUDA, a float tensor on the reference backends). Keeping the codes
 //! as a device tensor too would hold a second, larger copy of every weight on the GPU for
 //! nothing but saving; the host copy costs the code bytes once in RAM, saves without a device
-//! read, and moves to any device for free. The record holds the codes in their own width
+//! read, and moves to any device for free. A SlideSparse INT8 / FP8 layer's codes are held in
+//! the compact layout ([`HostCodes`]: 0.83 bytes a weight at 6:8 where the slid codes take 1.5),
+//! which the CPU's integer kernel reads in place; the slid codes are rebuilt from it for a GPU
+//! library's preparation and for the record. The record holds the codes in their own width
 //! (INT8 as `I8`, FP8 as E4M3 bytes `U8`, 16-bit precisions as `BF16`/`F16`, F32 as `F32`)
 //! and the scales in f32, whatever the recorder's precision settings: records round-trip
 //! bit-exactly.
@@ -35,6 +38,7 @@ use burn::{
 use half::{bf16, f16};
 
 use crate::{
+    compact::HostCodes,
     permute::InputPermutation,
     weight_quant::{Precision, QuantizedWeight, WeightCodes},
 };
@@ -46,22 +50,28 @@ fn fresh_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A layer's quantized weight `[rows, cols]` (codes and per-row f32 scales) on the host, the
-/// order of the input channels its columns were pruned in (a SlideSparse layer packed with an
-/// input permutation), and the device the layer lives on.
+/// A layer's quantized weight `[rows, cols]` (codes and per-row f32 scales) on the host (a
+/// SlideSparse INT8 / FP8 layer's in the compact layout, [`HostCodes`]), the order of the input
+/// channels its columns were pruned in (a SlideSparse layer packed with an input permutation),
+/// and the device the layer lives on.
 #[derive(Clone)]
 pub struct WeightCodesModule<B: Backend> {
-    weight: Arc<QuantizedWeight>,
+    weight: HostCodes,
     input_permutation: Option<InputPermutation>,
     id: u64,
     device: B::Device,
 }
 
 impl<B: Backend> WeightCodesModule<B> {
-    /// Codes and scales of a layer on `device`.
+    /// Codes and scales of a dense layer on `device`, kept as they are.
     pub fn new(weight: QuantizedWeight, device: &B::Device) -> Self {
+        Self::held(HostCodes::Codes(Arc::new(weight)), device)
+    }
+
+    /// Codes and scales held as `weight` (a SlideSparse layer's: [`HostCodes::sparse`]).
+    pub fn held(weight: HostCodes, device: &B::Device) -> Self {
         Self {
-            weight: Arc::new(weight),
+            weight,
             input_permutation: None,
             id: fresh_id(),
             device: device.clone(),
@@ -83,8 +93,14 @@ impl<B: Backend> WeightCodesModule<B> {
         self.input_permutation.as_ref()
     }
 
-    /// The codes and scales (shared, not copied).
-    pub fn weight(&self) -> &Arc<QuantizedWeight> {
+    /// The codes and scales in their full form (`W`, or slid `W'`): shared where held so,
+    /// rebuilt from the compact layout otherwise ([`HostCodes::full`]).
+    pub fn weight(&self) -> Arc<QuantizedWeight> {
+        self.weight.full()
+    }
+
+    /// The codes and scales as held.
+    pub fn codes(&self) -> &HostCodes {
         &self.weight
     }
 
@@ -100,7 +116,7 @@ impl<B: Backend> WeightCodesModule<B> {
 
     fn with_device<C: Backend>(&self, device: C::Device) -> WeightCodesModule<C> {
         WeightCodesModule {
-            weight: Arc::clone(&self.weight),
+            weight: self.weight.clone(),
             input_permutation: self.input_permutation.clone(),
             id: self.id,
             device,
@@ -110,10 +126,12 @@ impl<B: Backend> WeightCodesModule<B> {
 
 impl<B: Backend> fmt::Debug for WeightCodesModule<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (rows, cols) = self.weight.shape();
         f.debug_struct("WeightCodesModule")
-            .field("rows", &self.weight.rows)
-            .field("cols", &self.weight.cols)
-            .field("precision", &self.weight.codes.precision())
+            .field("rows", &rows)
+            .field("cols", &cols)
+            .field("precision", &self.weight.precision())
+            .field("compact", &self.weight.compact().is_some())
             .field("input_permutation", &self.input_permutation)
             .field("device", &self.device)
             .finish()
@@ -228,7 +246,7 @@ impl<B: Backend> Module<B> for WeightCodesModule<B> {
     /// default count, which visits float parameters, would say 0); derived modules sum
     /// their fields' counts.
     fn num_params(&self) -> usize {
-        self.weight.codes.len() + self.weight.scales.len()
+        self.weight.full_len()
     }
 
     fn collect_devices(&self, mut devices: Devices<B>) -> Devices<B> {
@@ -259,14 +277,16 @@ impl<B: Backend> Module<B> for WeightCodesModule<B> {
     /// another precision or shape panics like burn's own mismatches do (the crate's
     /// `load_record` / `load_file` turn that into `SlideSparseError::Record`).
     fn load_record(self, record: Self::Record) -> Self {
-        let precision = self.weight.codes.precision();
-        let shape = (self.weight.rows, self.weight.cols);
+        let precision = self.weight.precision();
+        let shape = self.weight.shape();
         let permutation = record.input_permutation.clone().map(InputPermutation::new);
         match (
             record.into_weight(precision, shape),
             permutation.transpose(),
         ) {
-            (Ok(weight), Ok(p)) => Self::new(weight, &self.device).with_input_permutation(p),
+            (Ok(weight), Ok(p)) => {
+                Self::held(self.weight.like(weight), &self.device).with_input_permutation(p)
+            }
             (Err(why), _) => panic!("loading a SlideSparse weight record: {why}"),
             (_, Err(why)) => panic!("loading a SlideSparse weight record: {why}"),
         }
@@ -275,7 +295,7 @@ impl<B: Backend> Module<B> for WeightCodesModule<B> {
     fn into_record(self) -> Self::Record {
         WeightCodesRecord {
             input_permutation: self.input_permutation.map(Vec::from),
-            ..WeightCodesRecord::from_weight(&self.weight)
+            ..WeightCodesRecord::from_weight(&self.weight.full())
         }
     }
 }
@@ -294,19 +314,22 @@ impl<B: AutodiffBackend> AutodiffModule<B> for WeightCodesModule<B> {
 
 impl<B: Backend> ModuleDisplayDefault for WeightCodesModule<B> {
     fn content(&self, content: Content) -> Option<Content> {
-        let w = &self.weight;
+        let ((rows, cols), precision) = (self.weight.shape(), self.weight.precision());
+        let form = if self.weight.compact().is_some() {
+            "compact, on the host"
+        } else {
+            "on the host"
+        };
         content
             .add_formatted(&format!(
-                "WeightCodes {{shape: [{}, {}], precision: {}, on the host}}",
-                w.rows,
-                w.cols,
-                w.codes.precision()
+                "WeightCodes {{shape: [{rows}, {cols}], precision: {precision}, {form}}}"
             ))
             .optional()
     }
 
     fn num_params(&self) -> usize {
-        self.weight.codes.len()
+        let (rows, cols) = self.weight.shape();
+        rows * cols
     }
 }
 

@@ -13,6 +13,7 @@ use burn::{
 };
 
 use crate::{
+    codes::WeightCodesModule,
     error::{Result, SlideSparseError},
     maybe_sparse::MaybeSparseLinear,
     pack::PackedLinear,
@@ -192,7 +193,7 @@ fn concat_sparse<B: Backend>(layers: Vec<&SlideSparseLinear<B>>) -> Result<Slide
         pattern: spec.pattern,
         in_features: spec.in_features,
         alignment: spec.alignment,
-        weight: concat_rows(layers.iter().map(|l| l.weight.weight().as_ref()).collect())?,
+        weight: concat_weights(layers.iter().map(|l| &l.weight))?,
         bias: concat_biases(biases),
         input_permutation: permutation.cloned(),
     };
@@ -203,12 +204,20 @@ fn concat_sparse<B: Backend>(layers: Vec<&SlideSparseLinear<B>>) -> Result<Slide
     ))
 }
 
+/// The layers' codes (in their full form) stacked row after row.
+fn concat_weights<'a, B: Backend>(
+    weights: impl Iterator<Item = &'a WeightCodesModule<B>>,
+) -> Result<QuantizedWeight> {
+    let full: Vec<_> = weights.map(WeightCodesModule::weight).collect();
+    concat_rows(full.iter().map(AsRef::as_ref).collect())
+}
+
 fn concat_quantized<B: Backend>(layers: Vec<&QuantizedLinear<B>>) -> Result<QuantizedLinear<B>> {
     let biases = layers
         .iter()
         .map(|l| Ok((host_bias(&l.bias)?, l.spec.out_features)))
         .collect::<Result<Vec<_>>>()?;
-    let weight = concat_rows(layers.iter().map(|l| l.weight.weight().as_ref()).collect())?;
+    let weight = concat_weights(layers.iter().map(|l| &l.weight))?;
     Ok(QuantizedLinear::from_quantized_owned(
         weight,
         concat_biases(biases).as_deref(),

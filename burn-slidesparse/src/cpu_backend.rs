@@ -8,6 +8,7 @@ use burn::tensor::{Tensor, backend::Backend};
 
 use crate::{
     backend::{DenseTensors, PackedTensors, SlideSparseBackend},
+    cpu_int8::CpuInt8Layer,
     error::Result,
     weight_quant::Precision,
 };
@@ -66,12 +67,12 @@ pub(crate) fn cpu_prepare<B: Backend>(weights: PackedTensors<B>) -> Result<CpuPr
         return Ok(CpuPrepared::Reference(crate::reference::prepare(weights)));
     }
     let bias = host_bias(weights.bias)?;
-    let layer = crate::cpu_int8::CpuInt8Layer::sparse(
-        weights.spec,
-        &weights.weight,
-        bias,
-        weights.input_permutation.as_ref(),
-    )?;
+    let order = weights.input_permutation.as_ref();
+    let layer = match weights.weight.compact() {
+        // The module's compact rows, shared: the layer's one copy on the host.
+        Some(compact) => CpuInt8Layer::compact(Arc::clone(compact), bias, order)?,
+        None => CpuInt8Layer::sparse(weights.spec, &weights.weight.full(), bias, order)?,
+    };
     Ok(CpuPrepared::Int8(Arc::new(layer)))
 }
 
@@ -83,7 +84,7 @@ pub(crate) fn cpu_prepare_dense<B: Backend>(weights: DenseTensors<B>) -> Result<
         )));
     }
     let bias = host_bias(weights.bias)?;
-    let layer = crate::cpu_int8::CpuInt8Layer::dense(&weights.weight, bias)?;
+    let layer = CpuInt8Layer::dense(weights.weight, bias)?;
     Ok(CpuPrepared::Int8(Arc::new(layer)))
 }
 

@@ -74,8 +74,8 @@ pub use checkpoint::{
 pub use codes::{WeightCodesModule, WeightCodesRecord};
 pub use collective::{Collective, SimulatedRanks};
 pub use compact::{
-    CodeByte, CompactCodes, CompactRows, DecodeTiles, pair_of_rank, pair_rank, rank_bits,
-    window_metadata, window_nibble,
+    CodeByte, CompactCodes, CompactRows, CompactWeight, DecodeTiles, HostCodes, pair_of_rank,
+    pair_rank, rank_bits, window_metadata, window_nibble,
 };
 pub use concat::concat_outputs;
 pub use cpu_backend::CpuPrepared;

@@ -94,12 +94,12 @@ impl<B: Backend> QuantizedLinear<B> {
             Some(b) => Some(to_vec_f32(b.val().into_data(), "bias")?),
             None => None,
         };
-        Ok((QuantizedWeight::clone(self.weight.weight()), bias))
+        Ok((Arc::unwrap_or_clone(self.weight.weight()), bias))
     }
 
     fn dense_tensors(&self) -> DenseTensors<B> {
         DenseTensors {
-            weight: Arc::clone(self.weight.weight()),
+            weight: self.weight.weight(),
             bias: self.bias.as_ref().map(|b| b.val()),
             device: self.weight.device().clone(),
         }

@@ -43,6 +43,7 @@ pub struct ReferencePrepared<B: Backend> {
 pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
     let spec = weights.spec;
     let device = weights.device;
+    let slid = weights.weight.full();
     let mut map = spec.geometry().lift_map_with_zero_column();
     if let Some(p) = &weights.input_permutation {
         // A permuted layer reads its input through the permutation: one gather, the same.
@@ -60,8 +61,8 @@ pub fn prepare<B: Backend>(weights: PackedTensors<B>) -> ReferencePrepared<B> {
     ReferencePrepared {
         precision: spec.precision,
         in_features: spec.in_features,
-        weight_t: transposed_values(&weights.weight, &device),
-        scale: scale_row(&weights.weight, &device),
+        weight_t: transposed_values(&slid, &device),
+        scale: scale_row(&slid, &device),
         bias: weights.bias.map(|b| b.unsqueeze_dim(0)),
         lift: Some(Tensor::from_data(TensorData::new(lift, [k_prime]), &device)),
     }

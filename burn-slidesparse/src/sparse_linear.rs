@@ -13,6 +13,7 @@ use burn::{
 use crate::{
     backend::{PackedTensors, PreparedSlot, SlideSparseBackend},
     codes::WeightCodesModule,
+    compact::HostCodes,
     error::{Result, SlideSparseError},
     pack::{DEFAULT_ALIGNMENT, LayerSpec, PackOptions, PackedLinear, check_alignment, pack_linear},
     pattern::SparsityPattern,
@@ -93,8 +94,9 @@ impl SlideSparseLinearConfig {
 /// A linear layer `[..., K] -> [..., out]` whose weight is a slid `(2N-2):2N` matrix.
 ///
 /// The slid `W' [out, K']` codes and their per-channel scales stay on the host
-/// ([`WeightCodesModule`]); the device holds only what the backend prepares from them on the
-/// first forward (on CUDA, cuSPARSELt's compressed weight and the scales) and the bias. The
+/// ([`WeightCodesModule`]; INT8 / FP8 codes in the compact layout, which the CPU backends'
+/// integer kernel reads in place); the device holds only what the backend prepares from them
+/// on the first forward (on CUDA, cuSPARSELt's compressed weight and the scales) and the bias. The
 /// record holds the codes in their own width (INT8 as `I8`, FP8 as E4M3 bytes, 16-bit
 /// precisions as 16-bit), the scales in f32 and the bias in the record's float type: records
 /// round-trip bit-exactly. The layout comes from the config.
@@ -105,7 +107,8 @@ impl SlideSparseLinearConfig {
 /// float parameters) as a constant and silently keeps it when a record is loaded.
 #[derive(Module, Debug)]
 pub struct SlideSparseLinear<B: Backend> {
-    /// `W' [out, K']` codes and per-output-channel scales, on the host.
+    /// `W' [out, K']` codes (INT8 / FP8 held compact) and per-output-channel scales, on the
+    /// host.
     pub weight: WeightCodesModule<B>,
     /// Bias `[out]`, if the layer has one.
     pub bias: Option<Param<Tensor<B, 1>>>,
@@ -127,8 +130,14 @@ impl<B: Backend> SlideSparseLinear<B> {
     pub fn from_packed_owned(packed: PackedLinear, device: &B::Device) -> Self {
         let spec = packed.spec();
         let rows = packed.weight.rows;
+        let codes = HostCodes::sparse(
+            packed.weight,
+            spec.pattern,
+            spec.in_features,
+            spec.alignment,
+        );
         Self {
-            weight: WeightCodesModule::new(packed.weight, device)
+            weight: WeightCodesModule::held(codes, device)
                 .with_input_permutation(packed.input_permutation),
             bias: packed.bias.map(|b| float_param(b, &[rows], device)),
             spec,
@@ -195,7 +204,7 @@ impl<B: Backend> SlideSparseLinear<B> {
             pattern: spec.pattern,
             in_features: spec.in_features,
             alignment: spec.alignment,
-            weight: QuantizedWeight::clone(self.weight.weight()),
+            weight: Arc::unwrap_or_clone(self.weight.weight()),
             bias: match &self.bias {
                 Some(b) => Some(to_vec_f32(b.val().into_data(), "bias")?),
                 None => None,
@@ -210,7 +219,7 @@ impl<B: Backend> SlideSparseLinear<B> {
     pub fn packed_tensors(&self) -> PackedTensors<B> {
         PackedTensors {
             spec: self.spec,
-            weight: Arc::clone(self.weight.weight()),
+            weight: self.weight.codes().clone(),
             bias: self.bias.as_ref().map(|b| b.val()),
             device: self.weight.device().clone(),
             input_permutation: self.weight.input_permutation().cloned(),

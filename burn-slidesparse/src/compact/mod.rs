@@ -27,12 +27,14 @@ use rayon::prelude::*;
 use crate::{
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
-    slide::{SlideElement, unslide_row},
+    slide::{SlideElement, slide_row, unslide_row},
 };
 
 mod rows;
+mod weight;
 
 pub use rows::{CodeByte, CompactRows};
+pub use weight::{CompactWeight, HostCodes};
 
 /// Pairs of `len` positions: `C(len, 2)`.
 pub fn pair_count(len: usize) -> usize {
@@ -243,6 +245,28 @@ impl<T: SlideElement> CompactCodes<T> {
                 }
             });
         out
+    }
+
+    /// The slid `[rows, K']` codes, as the packer's greedy slide writes them from the pruned
+    /// matrix (`geometry` must be `pattern.geometry(k, _)`). `Err((row, block, nonzeros))` for
+    /// a block that does not slide: none does (each has two zeros), checked all the same.
+    pub fn to_slid(
+        &self,
+        geometry: &SlideGeometry,
+    ) -> std::result::Result<Vec<T>, (usize, usize, usize)> {
+        let (k, k_prime) = (geometry.k, geometry.k_prime());
+        let pruned = self.to_pruned();
+        let mut out = vec![T::ZERO; self.rows * k_prime];
+        if k_prime == 0 {
+            return Ok(out);
+        }
+        out.par_chunks_mut(k_prime)
+            .zip(pruned.par_chunks(k.max(1)))
+            .enumerate()
+            .try_for_each(|(row, (out, codes))| {
+                slide_row(codes, geometry, out).map_err(|(block, nonzeros)| (row, block, nonzeros))
+            })?;
+        Ok(out)
     }
 
     /// Row `row` as the 2:4 row of width `geometry.k_prime()` that a sparse GEMM on this layout

@@ -17,11 +17,16 @@ use crate::{pattern::SparsityPattern, slide::SlideElement};
 pub trait CodeByte: SlideElement {
     /// The code's byte.
     fn byte(self) -> u8;
+    /// The code of a byte.
+    fn from_byte(byte: u8) -> Self;
 }
 
 impl CodeByte for i8 {
     fn byte(self) -> u8 {
         self as u8
+    }
+    fn from_byte(byte: u8) -> Self {
+        byte as i8
     }
 }
 
@@ -29,13 +34,25 @@ impl CodeByte for u8 {
     fn byte(self) -> u8 {
         self
     }
+    fn from_byte(byte: u8) -> Self {
+        byte
+    }
 }
 
 /// Blocks a row is padded to a multiple of.
 pub const ROW_BLOCKS: usize = 8;
 
+/// Zero bytes after the last row's kept codes: the CPU kernel loads a block's codes as one
+/// 16-byte vector, past the row's end at its last block.
+pub const KEPT_SLACK: usize = 16;
+
+/// Zero bytes after the last row's ranks: the CPU kernel reads a block's rank as part of an
+/// 8-byte word.
+pub const RANK_SLACK: usize = 8;
+
 /// A compact matrix as the device holds it: `[rows, kept_stride]` code bytes and `[rows,
-/// rank_stride]` rank bytes (module docs).
+/// rank_stride]` rank bytes (module docs), each array followed by its slack ([`KEPT_SLACK`],
+/// [`RANK_SLACK`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CompactRows {
     /// The pattern every block satisfies.
@@ -62,7 +79,7 @@ impl CompactRows {
         let blocks = compact.blocks();
         let kept_len = pattern.block_len() - 2;
         let (kept_stride, rank_stride) = Self::strides(pattern, k);
-        let mut kept = vec![0u8; rows * kept_stride];
+        let mut kept = vec![0u8; rows * kept_stride + KEPT_SLACK];
         let used = blocks * kept_len;
         for (out, row) in kept
             .chunks_mut(kept_stride.max(1))
@@ -74,7 +91,7 @@ impl CompactRows {
         }
         let packed = compact.packed_ranks();
         let rank_bytes = CompactCodes::<T>::rank_row_bytes(pattern, k);
-        let mut ranks = vec![0u8; rows * rank_stride];
+        let mut ranks = vec![0u8; rows * rank_stride + RANK_SLACK];
         for (out, row) in ranks
             .chunks_mut(rank_stride.max(1))
             .zip(packed.chunks(rank_bytes.max(1)))
@@ -89,6 +106,34 @@ impl CompactRows {
             kept_stride,
             ranks,
             rank_stride,
+        }
+    }
+
+    /// The compact codes these rows hold (the inverse of [`new`](Self::new)).
+    pub fn to_codes<T: CodeByte>(&self) -> CompactCodes<T> {
+        let (pattern, rows, k) = (self.pattern, self.rows, self.k);
+        let (len, bits) = (pattern.block_len(), rank_bits(pattern) as usize);
+        let blocks = k.div_ceil(len);
+        let used = blocks * (len - 2);
+        let mut kept = Vec::with_capacity(rows * used);
+        let mut ranks = Vec::with_capacity(rows * blocks);
+        for r in 0..rows {
+            let row = &self.kept[r * self.kept_stride..][..used];
+            kept.extend(row.iter().map(|&b| T::from_byte(b)));
+            let stored = &self.ranks[r * self.rank_stride..][..self.rank_stride];
+            ranks.extend((0..blocks).map(|b| {
+                (0..bits).fold(0u16, |rank, bit| {
+                    let at = b * bits + bit;
+                    rank | u16::from(stored[at / 8] >> (at % 8) & 1) << bit
+                })
+            }));
+        }
+        CompactCodes {
+            pattern,
+            rows,
+            k,
+            kept,
+            ranks,
         }
     }
 
@@ -113,7 +158,7 @@ impl CompactRows {
         rows * (blocks * (pattern.block_len() - 2) + ranks)
     }
 
-    /// Bytes the device holds: both arrays with their padding.
+    /// Bytes the device holds: both arrays with their padding and slack.
     pub fn device_bytes(&self) -> usize {
         self.kept.len() + self.ranks.len()
     }
@@ -155,6 +200,9 @@ mod tests {
                     assert!(ranks[rank_bytes..].iter().all(|&b| b == 0));
                 }
                 assert_eq!(rows.bytes(), n * (used + rank_bytes), "{pattern} {n}x{k}");
+                assert_eq!(rows.kept.len(), n * rows.kept_stride + KEPT_SLACK);
+                assert_eq!(rows.ranks.len(), n * rows.rank_stride + RANK_SLACK);
+                assert_eq!(rows.to_codes::<i8>(), compact, "{pattern} {n}x{k}");
             }
         }
     }

@@ -21,6 +21,8 @@
 mod dot;
 mod expand;
 
+use std::sync::Arc;
+
 use cubecl_kernels::rounding::ACTIVATION_EPS;
 use rayon::prelude::*;
 
@@ -29,7 +31,7 @@ use dot::{LANE, Tokens};
 use expand::{CompactRowsRef, ExpandTable};
 
 use crate::{
-    compact::{CompactCodes, CompactRows},
+    compact::CompactWeight,
     error::{Result, SlideSparseError},
     pack::LayerSpec,
     permute::InputPermutation,
@@ -55,16 +57,35 @@ const QMAX: f32 = 127.0;
 #[derive(Clone, Debug)]
 enum Weight {
     /// Dense codes, rows of `kp` (zeros past `K`).
-    Dense(Vec<i8>),
-    /// Compact rows, the arrays padded so that the expansion may read past a row's last block.
+    Dense(DenseCodes),
+    /// Compact rows (their slack lets the expansion read past a row's last block), shared
+    /// with the module that holds them: the layer's one copy.
     Compact {
         table: ExpandTable,
-        kept: Vec<u8>,
-        kept_stride: usize,
-        ranks: Vec<u8>,
-        rank_stride: usize,
-        blocks: usize,
+        weight: Arc<CompactWeight>,
     },
+}
+
+/// A dense layer's codes as the kernel reads them: rows of `kp`.
+#[derive(Clone, Debug)]
+enum DenseCodes {
+    /// The module's own codes (`K` is already `kp`), shared: the layer's one copy.
+    Shared(Arc<QuantizedWeight>),
+    /// A copy with each row padded with zeros to `kp`.
+    Padded(Vec<i8>),
+}
+
+impl DenseCodes {
+    fn codes(&self) -> &[i8] {
+        match self {
+            Self::Shared(weight) => match &weight.codes {
+                WeightCodes::I8(codes) => codes,
+                // `CpuInt8Layer::dense` shares INT8 codes only.
+                _ => unreachable!("a shared dense weight holds INT8 codes"),
+            },
+            Self::Padded(codes) => codes,
+        }
+    }
 }
 
 /// An INT8 linear layer prepared for the integer kernel.
@@ -101,58 +122,59 @@ impl CpuInt8Layer {
         bias: Option<Vec<f32>>,
         order: Option<&InputPermutation>,
     ) -> Result<Self> {
-        let WeightCodes::I8(codes) = &weight.codes else {
-            return Err(not_int8("SlideSparseLinear", weight.codes.precision()));
-        };
-        let compact = CompactCodes::from_slid(
-            codes,
-            weight.rows,
-            &spec.geometry(),
-            spec.pattern,
-            "SlideSparseLinear weight",
-        )?;
-        Self::compact(&compact, weight.scales.clone(), bias, order)
+        let (pattern, k, alignment) = (spec.pattern, spec.in_features, spec.alignment);
+        match CompactWeight::from_slid(weight, pattern, k, alignment)? {
+            Some(compact) if compact.precision == Precision::Int8 => {
+                Self::compact(Arc::new(compact), bias, order)
+            }
+            _ => Err(not_int8("SlideSparseLinear", weight.codes.precision())),
+        }
     }
 
-    /// A SlideSparse layer from its compact codes.
+    /// A SlideSparse layer on its compact INT8 weight, shared (not copied).
     pub fn compact(
-        codes: &CompactCodes<i8>,
-        scales: Vec<f32>,
+        weight: Arc<CompactWeight>,
         bias: Option<Vec<f32>>,
         order: Option<&InputPermutation>,
     ) -> Result<Self> {
-        let rows = CompactRows::new(codes);
-        let blocks = codes.blocks();
-        let (mut kept, mut ranks) = (rows.kept, rows.ranks);
-        kept.extend([0; 16]);
-        ranks.extend([0; 8]);
-        let weight = Weight::Compact {
-            table: ExpandTable::new(codes.pattern),
-            kept,
-            kept_stride: rows.kept_stride,
-            ranks,
-            rank_stride: rows.rank_stride,
-            blocks,
-        };
+        if weight.precision != Precision::Int8 {
+            return Err(not_int8("SlideSparseLinear", weight.precision));
+        }
+        let rows = &weight.rows;
+        let blocks = rows.k.div_ceil(rows.pattern.block_len());
         // Whole groups of 64 positions (the eight-block expansion's stores), plus room for the
         // 16 bytes the one-block expansion may write past the last block.
-        let kp = (blocks * codes.pattern.block_len()).next_multiple_of(64) + LANE;
-        Self::new(weight, (codes.k, codes.rows, kp), scales, bias, order)
+        let kp = (blocks * rows.pattern.block_len()).next_multiple_of(64) + LANE;
+        let (k, n, scales) = (rows.k, rows.rows, weight.scales.clone());
+        let table = ExpandTable::new(rows.pattern);
+        Self::new(
+            Weight::Compact { table, weight },
+            (k, n, kp),
+            scales,
+            bias,
+            order,
+        )
     }
 
-    /// A dense INT8 layer from its codes `W [out, K]` and scales.
-    pub fn dense(weight: &QuantizedWeight, bias: Option<Vec<f32>>) -> Result<Self> {
+    /// A dense INT8 layer from its codes `W [out, K]` and scales: shared (not copied) where
+    /// `K` is a whole number of [`LANE`]s, copied into rows padded to one otherwise.
+    pub fn dense(weight: Arc<QuantizedWeight>, bias: Option<Vec<f32>>) -> Result<Self> {
         let WeightCodes::I8(codes) = &weight.codes else {
             return Err(not_int8("QuantizedLinear", weight.codes.precision()));
         };
         let (n, k) = (weight.rows, weight.cols);
         let kp = k.next_multiple_of(LANE);
-        let mut padded = vec![0i8; n * kp];
-        for (dst, src) in padded.chunks_mut(kp.max(1)).zip(codes.chunks(k.max(1))) {
-            dst[..k].copy_from_slice(src);
-        }
         let scales = weight.scales.clone();
-        Self::new(Weight::Dense(padded), (k, n, kp), scales, bias, None)
+        let codes = if kp == k {
+            DenseCodes::Shared(Arc::clone(&weight))
+        } else {
+            let mut padded = vec![0i8; n * kp];
+            for (dst, src) in padded.chunks_mut(kp.max(1)).zip(codes.chunks(k.max(1))) {
+                dst[..k].copy_from_slice(src);
+            }
+            DenseCodes::Padded(padded)
+        };
+        Self::new(Weight::Dense(codes), (k, n, kp), scales, bias, None)
     }
 
     fn new(
@@ -198,8 +220,8 @@ impl CpuInt8Layer {
     /// Bytes the layer holds for its weight (codes, ranks, scales, bias).
     pub fn weight_bytes(&self) -> usize {
         let codes = match &self.weight {
-            Weight::Dense(codes) => codes.len(),
-            Weight::Compact { kept, ranks, .. } => kept.len() + ranks.len(),
+            Weight::Dense(codes) => codes.codes().len(),
+            Weight::Compact { weight, .. } => weight.rows.device_bytes(),
         };
         codes + 4 * (self.scales.len() + self.bias.as_ref().map_or(0, Vec::len))
     }
@@ -307,22 +329,16 @@ impl CpuInt8Layer {
     fn dense_rows<'a>(&'a self, first: usize, rows: usize, buffer: &'a mut Vec<i8>) -> &'a [i8] {
         let kp = self.kp;
         match &self.weight {
-            Weight::Dense(codes) => &codes[first * kp..(first + rows) * kp],
-            Weight::Compact {
-                table,
-                kept,
-                kept_stride,
-                ranks,
-                rank_stride,
-                blocks,
-            } => {
+            Weight::Dense(codes) => &codes.codes()[first * kp..(first + rows) * kp],
+            Weight::Compact { table, weight } => {
                 buffer.resize(rows * kp, 0);
+                let compact = &weight.rows;
                 let view = CompactRowsRef {
-                    kept,
-                    kept_stride: *kept_stride,
-                    ranks,
-                    rank_stride: *rank_stride,
-                    blocks: *blocks,
+                    kept: &compact.kept,
+                    kept_stride: compact.kept_stride,
+                    ranks: &compact.ranks,
+                    rank_stride: compact.rank_stride,
+                    blocks: compact.k.div_ceil(compact.pattern.block_len()),
                 };
                 table.expand_rows(&view, first, rows, kp, buffer);
                 &buffer[..rows * kp]
@@ -391,6 +407,7 @@ mod tests {
     use super::*;
     use crate::{
         backend::{DenseTensors, PackedTensors},
+        compact::HostCodes,
         pack::{PackOptions, pack_linear},
         pattern::SparsityPattern,
         permute::ChannelPermutation,
@@ -450,7 +467,7 @@ mod tests {
                     let (packed, _, _) = pack_linear("w", &w, n, k, b, &options).unwrap();
                     let prepared = reference::prepare::<B>(PackedTensors {
                         spec: packed.spec(),
-                        weight: Arc::new(packed.weight.clone()),
+                        weight: HostCodes::Codes(Arc::new(packed.weight.clone())),
                         bias: with_bias.then(|| tensor(bias.clone(), [n])),
                         device: Default::default(),
                         input_permutation: packed.input_permutation.clone(),
@@ -494,7 +511,7 @@ mod tests {
             });
             let x = values(&mut rng, m * k);
             let want = host(reference::forward(tensor(x.clone(), [m, k]), &prepared));
-            let layer = CpuInt8Layer::dense(&qw, Some(bias)).unwrap();
+            let layer = CpuInt8Layer::dense(Arc::new(qw), Some(bias)).unwrap();
             for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni] {
                 if let Some(layer) = layer.with_isa(isa) {
                     assert_same(&layer.forward(&x, m), &want, &format!("k={k} {isa:?}"));

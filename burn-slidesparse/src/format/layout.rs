@@ -2,7 +2,6 @@
 //! version 3) or the slid `W'` (versions 1 and 2, still read), and the conversion of either
 //! into the slid codes a [`PackedLinear`] holds.
 
-use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
@@ -11,7 +10,7 @@ use crate::{
     compact::CompactCodes,
     error::{Result, SlideSparseError},
     pack::PackedLinear,
-    slide::{SlideElement, slide_row},
+    slide::SlideElement,
     weight_quant::{WeightCodes, map_codes},
 };
 
@@ -116,25 +115,10 @@ fn slid<T: SlideElement>(
     path: &str,
     tensor: &str,
 ) -> Result<Vec<T>> {
-    let (k, k_prime) = (geometry.k, geometry.k_prime());
-    let pruned = compact.to_pruned();
-    let mut out = vec![T::ZERO; compact.rows * k_prime];
-    if k_prime == 0 {
-        return Ok(out);
-    }
-    // Every block has two zero positions, so the slide fits it; checked all the same.
-    out.par_chunks_mut(k_prime)
-        .zip(pruned.par_chunks(k.max(1)))
-        .enumerate()
-        .try_for_each(|(row, (out, codes))| {
-            slide_row(codes, geometry, out).map_err(|(block, nonzeros)| {
-                SlideSparseError::packed(
-                    path,
-                    format!(
-                        "{tensor}: row {row}, block {block} ({nonzeros} nonzeros) does not slide"
-                    ),
-                )
-            })
-        })?;
-    Ok(out)
+    compact.to_slid(geometry).map_err(|(row, block, nonzeros)| {
+        SlideSparseError::packed(
+            path,
+            format!("{tensor}: row {row}, block {block} ({nonzeros} nonzeros) does not slide"),
+        )
+    })
 }
