@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cubecl_kernels::geometry::SlideGeometry;
 
-use super::{CompactCodes, CompactRows};
+use super::{CodeByte, CompactCodes, CompactRows};
 use crate::{
     error::Result,
     pattern::SparsityPattern,
@@ -44,22 +44,10 @@ impl CompactWeight {
         alignment: usize,
     ) -> Result<Option<Self>> {
         let geometry = pattern.geometry(k, alignment);
-        let what = "SlideSparseLinear weight";
+        let n = weight.rows;
         let rows = match &weight.codes {
-            WeightCodes::I8(codes) => CompactRows::new(&CompactCodes::from_slid(
-                codes,
-                weight.rows,
-                &geometry,
-                pattern,
-                what,
-            )?),
-            WeightCodes::Fp8(codes) => CompactRows::new(&CompactCodes::from_slid(
-                codes,
-                weight.rows,
-                &geometry,
-                pattern,
-                what,
-            )?),
+            WeightCodes::I8(codes) => compact_rows(codes, n, &geometry, pattern)?,
+            WeightCodes::Fp8(codes) => compact_rows(codes, n, &geometry, pattern)?,
             _ => return Ok(None),
         };
         Ok(Some(Self {
@@ -94,6 +82,17 @@ impl CompactWeight {
     pub fn host_bytes(&self) -> usize {
         self.rows.device_bytes() + 4 * self.scales.len()
     }
+}
+
+/// The compact rows of slid byte codes `[n, K']`.
+fn compact_rows<T: CodeByte>(
+    slid: &[T],
+    n: usize,
+    geometry: &SlideGeometry,
+    pattern: SparsityPattern,
+) -> Result<CompactRows> {
+    let codes = CompactCodes::from_slid(slid, n, geometry, pattern, "SlideSparseLinear weight")?;
+    Ok(CompactRows::new(&codes))
 }
 
 /// The slid codes of a compact layout.

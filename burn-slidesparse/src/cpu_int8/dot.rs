@@ -28,6 +28,9 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX2 with AVX-VNNI.
     AvxVnni,
+    /// x86-64 AVX-512 with VNNI, VBMI, VBMI2 (and BMI2): 6:8 forwards of up to
+    /// `fused::TOKENS` tokens on the fused kernel (`fused.rs`), the rest as [`Isa::AvxVnni`].
+    Avx512,
 }
 
 impl Isa {
@@ -35,7 +38,7 @@ impl Isa {
     pub fn detect() -> Self {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            [Isa::AvxVnni, Isa::Avx2]
+            [Isa::Avx512, Isa::AvxVnni, Isa::Avx2]
                 .into_iter()
                 .find(|isa| isa.available())
                 .unwrap_or(Isa::Scalar)
@@ -50,6 +53,8 @@ impl Isa {
             Isa::Avx2 => is_x86_feature_detected!("avx2"),
             #[cfg(target_arch = "x86_64")]
             Isa::AvxVnni => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Isa::AvxVnni.available() && super::fused::available(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -85,7 +90,7 @@ pub fn rows_by_tokens(isa: Isa, w: &[i8], kp: usize, x: Tokens<'_>, acc: &mut [i
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were detected (asserted above); the lengths asserted above are
         // the ones the kernel reads and writes.
-        Isa::AvxVnni => unsafe { x86::rows_by_tokens_vnni(w, kp, x, acc) },
+        Isa::AvxVnni | Isa::Avx512 => unsafe { x86::rows_by_tokens_vnni(w, kp, x, acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { x86::rows_by_tokens_avx2(w, kp, x, acc) },

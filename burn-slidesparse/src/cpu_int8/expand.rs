@@ -63,6 +63,11 @@ impl ExpandTable {
         }
     }
 
+    /// Per rank, the byte of a 6:8 block's kept positions; `None` for other patterns.
+    pub fn kept_bits_68(&self) -> Option<&[u8; 64]> {
+        (self.len == 8 && self.bits == 5).then_some(&self.kept_bits)
+    }
+
     /// The rank of block `b` of a row's packed ranks (`ranks` readable 8 bytes past the byte
     /// holding the block's first bit).
     fn rank(&self, ranks: &[u8], b: usize) -> usize {

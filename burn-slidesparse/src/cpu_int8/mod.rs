@@ -16,10 +16,13 @@
 //!
 //! Work is split over output rows with rayon, each task a group of rows (a few tasks per
 //! thread) whose dense codes it expands into a buffer of its own, then multiplies with every
-//! token in tiles of `dot::ROWS` rows by `dot::TOKENS` tokens.
+//! token in tiles of `dot::ROWS` rows by `dot::TOKENS` tokens. A 6:8 forward of up to
+//! `fused::TOKENS` tokens on AVX-512 skips the buffer: each row is expanded in the register
+//! that multiplies it (`fused.rs`).
 
 mod dot;
 mod expand;
+mod fused;
 
 use std::sync::Arc;
 
@@ -100,6 +103,9 @@ pub struct CpuInt8Layer {
     /// for a compact weight) padded to [`LANE`].
     kp: usize,
     scales: Vec<f32>,
+    /// Each row's code sum (the fused kernel's bias correction, `fused.rs`; empty for a dense
+    /// weight).
+    row_sums: Vec<i32>,
     bias: Option<Vec<f32>>,
     /// Column `j` of the weight reads input channel `order[j]`.
     order: Option<Vec<u32>>,
@@ -146,14 +152,11 @@ impl CpuInt8Layer {
         // 16 bytes the one-block expansion may write past the last block.
         let kp = (blocks * rows.pattern.block_len()).next_multiple_of(64) + LANE;
         let (k, n, scales) = (rows.k, rows.rows, weight.scales.clone());
+        let used = blocks * (rows.pattern.block_len() - 2);
+        let row_sums = code_sums(&rows.kept, rows.kept_stride, used, n);
         let table = ExpandTable::new(rows.pattern);
-        Self::new(
-            Weight::Compact { table, weight },
-            (k, n, kp),
-            scales,
-            bias,
-            order,
-        )
+        let weight = Weight::Compact { table, weight };
+        Self::new(weight, (k, n, kp), (scales, row_sums), bias, order)
     }
 
     /// A dense INT8 layer from its codes `W [out, K]` and scales: shared (not copied) where
@@ -174,13 +177,20 @@ impl CpuInt8Layer {
             }
             DenseCodes::Padded(padded)
         };
-        Self::new(Weight::Dense(codes), (k, n, kp), scales, bias, None)
+        // The fused kernel does not read dense rows: no code sums.
+        Self::new(
+            Weight::Dense(codes),
+            (k, n, kp),
+            (scales, Vec::new()),
+            bias,
+            None,
+        )
     }
 
     fn new(
         weight: Weight,
         (k, n, kp): (usize, usize, usize),
-        scales: Vec<f32>,
+        (scales, row_sums): (Vec<f32>, Vec<i32>),
         bias: Option<Vec<f32>>,
         order: Option<&InputPermutation>,
     ) -> Result<Self> {
@@ -201,6 +211,7 @@ impl CpuInt8Layer {
             n,
             kp,
             scales,
+            row_sums,
             bias,
             order: order.map(|p| p.as_slice().to_vec()),
             isa: Isa::detect(),
@@ -301,8 +312,20 @@ impl CpuInt8Layer {
             signed: &tokens.codes,
             m,
         };
+        let fused = self.fused_rows(m);
+        // The fused kernel's tokens, `x + 128` (`fused.rs`).
+        let biased: Vec<u8> = match fused {
+            Some(_) => tokens.codes.iter().map(|&c| c as u8 ^ 0x80).collect(),
+            None => Vec::new(),
+        };
         let group_rows = |g: usize, acc: &mut [i32], buffer: &mut Vec<i8>, group: usize| {
             let (first, rows) = (g * group, acc.len() / m);
+            if let Some((rows_of, groups)) = fused {
+                let span = (first, rows);
+                let sums = &self.row_sums;
+                fused::rows_by_tokens(rows_of, span, groups, &biased, (m, kp), sums, acc);
+                return;
+            }
             let w = self.dense_rows(first, rows, buffer);
             dot::rows_by_tokens(self.isa, w, kp, x, acc);
         };
@@ -322,6 +345,27 @@ impl CpuInt8Layer {
             group_rows(g, acc, buffer, group);
         });
         acc
+    }
+
+    /// The rows and 64-wide groups per row the fused kernel reads for a forward of `m` tokens,
+    /// if it runs it: on [`Isa::Avx512`], up to `fused::TOKENS` tokens, `K` within
+    /// `fused::MAX_K`, a 6:8 weight.
+    fn fused_rows(&self, m: usize) -> Option<(fused::Rows<'_>, usize)> {
+        if self.isa != Isa::Avx512 || m > fused::TOKENS || self.k > fused::MAX_K {
+            return None;
+        }
+        let Weight::Compact { table, weight } = &self.weight else {
+            return None;
+        };
+        let rows = &weight.rows;
+        let rows_of = fused::Rows {
+            kept: &rows.kept,
+            kept_stride: rows.kept_stride,
+            ranks: &rows.ranks,
+            rank_stride: rows.rank_stride,
+            kept_bits: table.kept_bits_68()?,
+        };
+        Some((rows_of, rows.k.div_ceil(64)))
     }
 
     /// The dense codes of rows `first .. first + rows`: the weight's own, or expanded into
@@ -368,6 +412,18 @@ impl CpuInt8Layer {
         }
         y
     }
+}
+
+/// The sum of each of `n` rows' first `used` codes (bytes read as INT8), rows of `stride`.
+fn code_sums(codes: &[u8], stride: usize, used: usize, n: usize) -> Vec<i32> {
+    (0..n)
+        .map(|r| {
+            codes[r * stride..][..used]
+                .iter()
+                .map(|&c| i32::from(c as i8))
+                .sum()
+        })
+        .collect()
 }
 
 /// Quantized tokens: codes and their magnitudes (`[m, kp]`), scales (`[m]`).
@@ -449,7 +505,13 @@ mod tests {
     fn sparse_layers_are_the_reference_path_bit_for_bit() {
         let mut rng = XorShift32(71);
         for pattern in SparsityPattern::all() {
-            for &(k, n, m) in &[(64, 5, 1), (100, 33, 9), (576, 17, 4)] {
+            for &(k, n, m) in &[
+                (64, 5, 1),
+                (100, 33, 9),
+                (576, 17, 4),
+                (1000, 6, 16),
+                (200, 7, 29),
+            ] {
                 for permuted in [false, true] {
                     let w = values(&mut rng, n * k);
                     let bias = values(&mut rng, n);
@@ -484,7 +546,7 @@ mod tests {
                         packed.input_permutation.as_ref(),
                     )
                     .unwrap();
-                    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni] {
+                    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512] {
                         let Some(layer) = layer.with_isa(isa) else {
                             continue;
                         };
@@ -500,7 +562,13 @@ mod tests {
     #[test]
     fn dense_layers_are_the_reference_path_bit_for_bit() {
         let mut rng = XorShift32(73);
-        for &(k, n, m) in &[(64, 5, 1), (100, 33, 9), (1000, 17, 16)] {
+        for &(k, n, m) in &[
+            (64, 5, 1),
+            (70, 7, 3),
+            (100, 33, 9),
+            (1000, 17, 16),
+            (1000, 9, 8),
+        ] {
             let w = values(&mut rng, n * k);
             let bias = values(&mut rng, n);
             let qw = crate::weight_quant::quantize_weight(&w, n, k, Precision::Int8);
@@ -512,7 +580,7 @@ mod tests {
             let x = values(&mut rng, m * k);
             let want = host(reference::forward(tensor(x.clone(), [m, k]), &prepared));
             let layer = CpuInt8Layer::dense(Arc::new(qw), Some(bias)).unwrap();
-            for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni] {
+            for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512] {
                 if let Some(layer) = layer.with_isa(isa) {
                     assert_same(&layer.forward(&x, m), &want, &format!("k={k} {isa:?}"));
                 }
@@ -526,10 +594,11 @@ mod tests {
     fn sums_past_two_to_the_24_are_exact_integers() {
         let (k, n, m) = (4096, 3, 2);
         let pattern = SparsityPattern::P6_8;
-        // Every kept weight and every activation at code 127: sums of 127 * 127 * 3072, past
-        // 2^24 after the first 1041 products.
+        // Every kept weight at code 127, the activations at 127 (token 0) and -127 (token 1):
+        // sums of +-127 * 127 * 3072, past 2^24 after the first 1041 products (and the fused
+        // kernel's biased sums near their bound).
         let w = vec![1.0f32; n * k];
-        let x = vec![1.0f32; m * k];
+        let x: Vec<f32> = (0..m * k).map(|i| if i < k { 1.0 } else { -1.0 }).collect();
         let options = PackOptions::new(pattern, Precision::Int8);
         let (packed, _, _) = pack_linear("w", &w, n, k, None, &options).unwrap();
         let layer = CpuInt8Layer::sparse(packed.spec(), &packed.weight, None, None).unwrap();
@@ -537,7 +606,7 @@ mod tests {
         let WeightCodes::I8(codes) = &pruned.codes else {
             unreachable!()
         };
-        for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni] {
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512] {
             let Some(layer) = layer.with_isa(isa) else {
                 continue;
             };
