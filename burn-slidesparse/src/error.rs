@@ -120,6 +120,11 @@ pub enum SlideSparseError {
         actual: usize,
     },
 
+    /// Per-layer pattern allocation: a kept density outside (0, 1], a group without valid
+    /// candidates, or a budget below what the sparsest candidates keep.
+    #[error("pattern allocation: {0}")]
+    InvalidAllocation(String),
+
     #[error(
         "{tensor}: the damped calibration Hessian is not positive definite (pivot {pivot} at \
          input column {column}, damping {damping} of the mean diagonal); calibrate on more \

@@ -99,7 +99,10 @@ pub use pattern::SparsityPattern;
 pub use permute::{
     ChannelPermutation, InputPermutation, PermutationOutcome, PermutationSearch, search_permutation,
 };
-pub use prune::{KeptWeightGrid, PruneMethod, SparseGptCalibration, check_pattern, prune};
+pub use prune::{
+    AllocationGroup, KeptWeightGrid, PatternCandidate, PruneMethod, SparseGptCalibration,
+    allocate_patterns, check_pattern, prune,
+};
 pub use quantized_linear::QuantizedLinear;
 pub use reference::ReferencePrepared;
 pub use shard::{DenseShard, Parallelism, input_range, shard_packed, shard_quantized};

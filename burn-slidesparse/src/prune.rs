@@ -11,8 +11,10 @@ use crate::{
     pattern::SparsityPattern,
 };
 
+mod allocate;
 mod sparsegpt;
 
+pub use allocate::{AllocationGroup, PatternCandidate, allocate_patterns};
 pub(crate) use sparsegpt::obs_column_factors;
 pub use sparsegpt::{KeptWeightGrid, SparseGptCalibration};
 
