@@ -28,7 +28,9 @@
 // through one smem ring: the only multi-tile check on the small cases (1-9 tiles each).
 // The compact variants (`ws ... compact`) read the one-copy layout (kept codes and packed ranks,
 // built by `make_compact`, metadata expanded from the ranks in the kernel): 6:8 from W on slid68
-// and the Llama shapes, 2:4 from W' itself on the other small cases.
+// and the Llama shapes, 2:4 from W' itself on the other small cases. `ws n256 k128 compact jit`
+// is the library's path past one token tile: spgemm_compact_metadata fills a scratch metadata
+// array from the ranks, then `ws n256 k128` runs on it and the kept codes (timed together).
 // `--check-only` skips the timings (part 2 still checks); `--small-only` runs part 1 alone.
 #include <cublasLt.h>
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
@@ -493,6 +495,7 @@ struct WsVariant {
     int cluster;  // CTAs per cluster sharing the X' tile (1: no cluster)
     bool persistent = false;  // grid min(tiles, SMs), each CTA walking tiles blockIdx.x + i gridDim.x
     bool compact = false;     // reads the compact layout (kept codes + ranks) instead of A and e
+    bool jit = false;         // compact: `e` filled from the ranks by spgemm_compact_metadata first (timed with it)
 };
 static const WsVariant kWs[] = {
     {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1},
@@ -509,10 +512,11 @@ static const WsVariant kWs[] = {
      false, true},
     {"ws n256 k128 compact ring", spgemm_ws_n256_k128_i32_compact_ring, 256, 128, false, spgemm_ws::CfgCompact<256, true>::SMEM, 1,
      false, true},
+    {"ws n256 k128 compact jit", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1, false, true, true},
 };
 // The variants the raster-group sweep times: n256 k128 without and with the X' multicast, the
 // persistent one, the pingpong one and the compact ones.
-static const int kSweepVariants[] = {2, 4, 5, 7, 8, 10};
+static const int kSweepVariants[] = {2, 4, 5, 7, 8, 10, 11};
 static const int kWsCount = sizeof(kWs) / sizeof(kWs[0]);
 // Weight-row tiles per raster group (SpGemmWsParams::group): the timed default, the groups the
 // sweep times (n256 k128), and the uneven one every check also runs (3 does not divide the tile
@@ -614,8 +618,12 @@ static void wait_or_exit(cudaStream_t s, const char* what) {
         skip_in_rerun();
     }
 }
+// The metadata kernel's parameters for a `jit` variant (set by Problem::ws_params, which builds
+// every launch's parameters just before it).
+static SpMetaParams g_meta;
 // max_grid > 0 caps a persistent variant's grid (default: the SM count).
 static void launch_ws(const WsVariant& v, const SpGemmWsParams& p, cudaStream_t s, int max_grid = 0) {
+    if (v.jit) spgemm_compact_metadata<<<dim3((unsigned)p.k_tiles, (unsigned)p.n_tiles), 128, 0, s>>>(g_meta);
     const unsigned n_tiles = (unsigned)((p.n_tiles + v.cluster - 1) / v.cluster * v.cluster);
     unsigned grid = (unsigned)((p.m + v.bn - 1) / v.bn) * n_tiles;
     if (v.persistent) grid = std::min(grid, (unsigned)(max_grid > 0 ? max_grid : g_sms));
@@ -651,6 +659,7 @@ struct Problem {
     uint32_t *e128 = nullptr, *e256 = nullptr;  // the ws kernels' metadata for BK = 128, 256
     Compact cpt;                                 // the compact kernels' weight (when has_compact)
     uint8_t *kept = nullptr, *ranks = nullptr;
+    uint32_t* ejit = nullptr;  // the jit variant's metadata, filled from the ranks per launch
     bool has_compact = false;
     void upload_compact(const Compact& c) {
         if (kept) cudaFree(kept);
@@ -660,6 +669,8 @@ struct Problem {
         CK(cudaMemcpy(kept, c.kept.data(), c.kept.size(), cudaMemcpyHostToDevice));
         CK(cudaMalloc(&ranks, c.ranks.size()));
         CK(cudaMemcpy(ranks, c.ranks.data(), c.ranks.size(), cudaMemcpyHostToDevice));
+        if (ejit) cudaFree(ejit);
+        CK(cudaMalloc(&ejit, (size_t)((c.n + 127) / 128) * ((kp + 127) / 128) * spgemm_ws::Cfg<256, 128>::E_BYTES));
         has_compact = true;
     }
     bool ws_ok[kWsCount] = {};                   // per ws variant: exact in the last check_all (only those are timed)
@@ -697,7 +708,9 @@ struct Problem {
         e128 = e256 = nullptr;
         if (kept) cudaFree(kept);
         if (ranks) cudaFree(ranks);
+        if (ejit) cudaFree(ejit);
         kept = ranks = nullptr;
+        ejit = nullptr;
         has_compact = false;
         cudaFree(x);
         cudaFree(sx);
@@ -736,6 +749,19 @@ struct Problem {
             memcpy(q.table, cpt.table, sizeof q.table);
             q.k_tiles = (kp + 127) / 128;
             q.n_tiles = (n + 127) / 128;
+            if (v.jit) {
+                q.e = (u64)ejit;
+                g_meta = SpMetaParams{};
+                g_meta.ranks = (u64)ranks;
+                g_meta.e = (u64)ejit;
+                g_meta.n = cpt.n;
+                g_meta.rank_stride = cpt.rank_row;
+                g_meta.k_tiles = q.k_tiles;
+                g_meta.n_tiles = q.n_tiles;
+                g_meta.win = cpt.win;
+                g_meta.rbits = cpt.rbits;
+                memcpy(g_meta.table, cpt.table, sizeof g_meta.table);
+            }
         }
         return q;
     }
@@ -1086,7 +1112,7 @@ int main(int argc, char** argv) {
     };
     const std::vector<Shape> shapes = {
         {"llama qkv", 6144, 4096}, {"llama o", 4096, 4096}, {"llama gate_up", 28672, 4096}, {"llama down", 4096, 14336}};
-    const std::vector<int> ms = {1024, 4096, 16384};
+    const std::vector<int> ms = {256, 1024, 4096, 16384};
     const int mmax = 16384;
     printf("\nTOPS count 2 M N K' for the sparse kernel and cuBLASLt at K', 2 M N K for cuBLASLt at K (K' = 1.5 K).\n"
            "Ideal ratios for 2:4 at K': dense K' / sparse = 2.0; dense K / sparse = 1.33.\n");

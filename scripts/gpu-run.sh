@@ -121,20 +121,22 @@ if [ "$what" = spgemm-compact ]; then
   # at K, every Llama shape at one M (default 4096; extra args go to the binary, e.g. --m 16384),
   # and the timing probes that split their cost: built with SPGEMM_COMPACT_PROBE=1 the compact
   # kernels skip the metadata expansion, =2 the rank loads too (wrong results, timed anyway).
-  for probe in 0 1 2; do
+  # SPGEMM_PROBES="0" runs the kernels alone.
+  probes=${SPGEMM_PROBES:-0 1 2}
+  for probe in $probes; do
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -DSPGEMM_COMPACT_PROBE=$probe \
       -I burn-slidesparse/src/cuda/kernels scripts/bench-spgemm.cu -lcublasLt -o /tmp/bench-spgemm-p$probe \
       > "$OUT/spgemm-compact-p$probe.err" 2>&1 &
   done
   wait
-  for probe in 0 1 2; do
+  for probe in $probes; do
     m_args=("$@"); [ ${#m_args[@]} -eq 0 ] && m_args=(--m 4096)
     timeout "${SPGEMM_TIMEOUT_S:-300}" /tmp/bench-spgemm-p$probe "${m_args[@]}" > "$OUT/spgemm-compact-p$probe.md" 2>> "$OUT/spgemm-compact-p$probe.err"
     echo "probe $probe exit code: $? (0: the kernels; 1: no expansion; 2: no expansion, no rank loads)"
-    # shape, M, ws n256 k128, compact, compact bf16, compact ring, cuBLASLt dense at K (us)
+    # shape, M, ws n256 k128, compact, compact bf16, compact ring, compact jit, cuBLASLt dense at K (us)
     awk -F'|' -v p=$probe '/^\| llama .*\(/ {
       for (i = 1; i <= NF; i++) { gsub(/^ +| +$/, "", $i) }
-      printf "p%s %s M=%s: ws n256 k128 %s, compact %s, compact bf16 %s, compact ring %s, cuBLASLt K %s us\n", p, $2, $4, $8, $14, $15, $16, $20 }' \
+      printf "p%s %s M=%s: ws n256 k128 %s, compact %s, compact bf16 %s, compact ring %s, compact jit %s, cuBLASLt K %s us\n", p, $2, $4, $8, $14, $15, $16, $17, $21 }' \
       "$OUT/spgemm-compact-p$probe.md"
   done
   grep -hE "checks exact|FAILED" "$OUT"/spgemm-compact-p0.md

@@ -2,9 +2,15 @@
 //! kernels"): a `(2N-2):2N` INT8 layer's prefill GEMM reads the layer's one copy of its weight,
 //! the compact rows (`compact/rows.rs`: kept codes and packed zero-pair ranks), instead of a
 //! cuSPARSELt copy beside it. The kept codes are the 2:4 GEMM's compressed values as they are;
-//! the kernel builds each stage's 2:4 metadata from the ranks through a per-rank table
-//! ([`window_metadata`]). Hopper only (`wgmma.mma_async.sp`, compiled for `sm_90a`), patterns
-//! 2:4 .. 14:16.
+//! the 2:4 metadata is a function of the ranks through a per-rank table ([`window_metadata`]).
+//! A forward runs two kernels: the metadata kernel fills a scratch array with the whole
+//! weight's metadata words (once per weight tile, where building them inside the GEMM built
+//! them once per output tile, on warps that nothing hides), then the warp-specialized GEMM runs
+//! on that array and the kept codes as on a precomputed array. The scratch is the lane's
+//! workspace, shared by every layer (the largest layer's: 2 KB per 128 rows x 128 `K'`, 22 MB
+//! for Llama-3-8B's fused gate/up). Why: `docs/decisions/one-compact-copy.md`.
+//!
+//! Hopper only (`wgmma.mma_async.sp`, compiled for `sm_90a`), patterns 2:4 .. 14:16.
 //!
 //! `acc [m, n_pad] = X' . W'^T` in INT32, exact, for the pipeline's epilogue; the activations
 //! `X' [m_pad, k_out]` are the lift's, as for cuSPARSELt.
@@ -15,7 +21,7 @@ use cudarc::driver::{result as cu, sys};
 
 use super::{
     buffers::HeldBuffer,
-    driver::driver_err,
+    driver::{Context, cuda_device, driver_err},
     nvrtc_module::{LoadedProgram, Program},
     runtime::{Client, PerDevice},
 };
@@ -45,6 +51,10 @@ const TILE_K: usize = 128;
 const RASTER_GROUP: i32 = 16;
 /// Entries of the rank table (`SPGEMM_RANK_TABLE`): `C(16, 2)` rounded up.
 const RANK_TABLE: usize = 128;
+/// Bytes of metadata words per 128 rows x 128 `K'` (`Cfg<256, 128>::E_BYTES`).
+const META_TILE_BYTES: usize = 2048;
+/// Threads of a metadata-kernel CTA: one per row of a 128-row tile.
+const META_THREADS: u32 = 128;
 
 /// The longest block the kernel expands: 14:16 (7 windows of 4-bit metadata in a table word).
 pub const MAX_BLOCK_LEN: usize = 16;
@@ -86,10 +96,37 @@ pub const PARAMS_SIZE: usize = 1088;
 const _: () = assert!(std::mem::size_of::<SpGemmParams>() == PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(SpGemmParams, tr) == 384);
 
-/// The loaded kernel of one device and its dynamic shared memory.
-struct Kernel {
+/// Must match `SpMetaParams` in `kernels/sparse_gemm_sm90.cu` (size asserted on both sides).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct MetaParams {
+    ranks: u64,
+    e: u64,
+    n: i32,
+    rank_stride: i32,
+    k_tiles: i32,
+    n_tiles: i32,
+    win: i32,
+    rbits: i32,
+    table: [u32; RANK_TABLE],
+}
+const _: () = assert!(std::mem::size_of::<MetaParams>() == 552);
+
+/// A loaded kernel and its dynamic shared memory.
+struct Function {
     function: sys::CUfunction,
     smem: u32,
+}
+
+/// The program's kernels on one device, and its context.
+struct Kernel {
+    /// The device's primary context: encoding the activations' tensor map needs it current,
+    /// and a forward's GEMM may be queued from cubecl's device thread.
+    context: Context,
+    /// `spgemm_ws_n256_k128_i32`: the GEMM, its metadata from an array.
+    gemm: Function,
+    /// `spgemm_compact_metadata`: that array from the ranks.
+    metadata: Function,
 }
 
 // SAFETY: a function handle of a program loaded for the process, immutable after loading;
@@ -102,11 +139,21 @@ fn kernel(index: usize) -> Result<Arc<Kernel>> {
     static KERNELS: PerDevice<Kernel> = PerDevice::new();
     KERNELS.get_or_try_init(index, || {
         let program = LoadedProgram::load(index, &PROGRAM)?;
-        // The kernel's shared memory is the kernel file's constant (stages that fit), read
+        // The kernels' shared memory is the kernel file's constant (stages that fit), read
         // back rather than computed twice.
-        let smem = program.global_i32("spgemm_ws_compact_smem")? as u32;
-        let function = program.function("spgemm_ws_n256_k128_i32_compact", smem as usize)?;
-        Ok(Kernel { function, smem })
+        let load = |name: &str, smem_global: Option<&str>| -> Result<Function> {
+            let smem = match smem_global {
+                Some(global) => program.global_i32(global)? as u32,
+                None => 0,
+            };
+            let function = program.function(name, smem as usize)?;
+            Ok(Function { function, smem })
+        };
+        Ok(Kernel {
+            context: Context::retain(cuda_device(index)?)?,
+            gemm: load("spgemm_ws_n256_k128_i32", Some("spgemm_ws_n256_k128_smem"))?,
+            metadata: load("spgemm_compact_metadata", None)?,
+        })
     })
 }
 
@@ -184,6 +231,8 @@ pub struct CompactGemm {
     /// INT32 elements per token of the accumulator it writes (the layer's `n_pad`).
     pub acc_stride: usize,
     base: SpGemmParams,
+    /// The metadata kernel's parameters but the output array.
+    meta: MetaParams,
     /// Bytes per row of the kept codes.
     pub kept_stride: usize,
     /// Bytes per row of the packed ranks.
@@ -201,6 +250,9 @@ impl CompactGemm {
         (x_stride, acc_stride): (usize, usize),
     ) -> Result<Self> {
         let table = rank_table(codes.pattern)?;
+        // Encoding the weight's tensor maps needs the context current; burn may prepare a
+        // layer on any thread.
+        kernel(index)?.context.make_current()?;
         let rows = CompactRows::new(codes);
         let kept = HeldBuffer::new(client, client.create_from_slice(&rows.kept))?;
         let ranks = HeldBuffer::new(client, client.create_from_slice(&rows.ranks))?;
@@ -210,12 +262,6 @@ impl CompactGemm {
             (rows.kept_stride, n, rows.kept_stride),
             (64, TILE_ROWS as u32),
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
-        )?;
-        let tr = tensor_map(
-            ranks.ptr,
-            (rows.rank_stride, n, rows.rank_stride),
-            (32, TILE_ROWS as u32),
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         )?;
         let geometry = codes.pattern.geometry(codes.k, 1);
         let k_slide = geometry.k_slide();
@@ -240,7 +286,19 @@ impl CompactGemm {
             k_tiles: int("K' tiles", k_slide.div_ceil(TILE_K))?,
             n_tiles: int("row tiles", n.div_ceil(TILE_ROWS))?,
             group: RASTER_GROUP,
-            tr,
+            // The in-stage kernels' fields: the metadata kernel has them here.
+            tr: TensorMap::default(),
+            win: 0,
+            rbits: 0,
+            table: [0; RANK_TABLE],
+        };
+        let meta = MetaParams {
+            ranks: ranks.ptr,
+            e: 0,
+            n: base.n,
+            rank_stride: int("rank row bytes", rows.rank_stride)?,
+            k_tiles: base.k_tiles,
+            n_tiles: base.n_tiles,
             win: codes.pattern.block_len() as i32 / 2 - 1,
             rbits: crate::compact::rank_bits(codes.pattern) as i32,
             table,
@@ -254,6 +312,7 @@ impl CompactGemm {
             x_stride,
             acc_stride,
             base,
+            meta,
             kept_stride: rows.kept_stride,
             rank_stride: rows.rank_stride,
         })
@@ -264,14 +323,29 @@ impl CompactGemm {
         (self.kept.ptr, self.ranks.ptr)
     }
 
+    /// Bytes of scratch a forward needs for the metadata words.
+    pub fn scratch_bytes(&self) -> usize {
+        self.n.div_ceil(TILE_ROWS) * self.k_slide.div_ceil(TILE_K) * META_TILE_BYTES
+    }
+
     /// Enqueues `acc [m, acc_stride] = X' . W'^T` (INT32) on `stream`: `x` the lifted codes of
-    /// `m` tokens (`x_stride` bytes each).
+    /// `m` tokens (`x_stride` bytes each); `scratch` [`scratch_bytes`](Self::scratch_bytes)
+    /// bytes for the metadata words.
     ///
     /// # Safety
     /// `stream` is a live stream of the device's context, current on this thread; `x` and
-    /// `acc` are live device memory of `m` rows of `x_stride` bytes and `acc_stride` INT32.
-    pub unsafe fn enqueue(&self, stream: sys::CUstream, m: usize, x: u64, acc: u64) -> Result<()> {
+    /// `acc` are live device memory of `m` rows of `x_stride` bytes and `acc_stride` INT32;
+    /// `scratch` is live device memory of `scratch_bytes()` bytes that nothing else uses
+    /// until the GEMM is done (stream order).
+    pub unsafe fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        m: usize,
+        (x, acc): (u64, u64),
+        scratch: u64,
+    ) -> Result<()> {
         let kernel = kernel(self.index)?;
+        kernel.context.make_current()?;
         let tb = tensor_map(
             x,
             (self.x_stride, m, self.x_stride),
@@ -285,21 +359,58 @@ impl CompactGemm {
             y: acc,
             ..self.base
         };
+        params.e = scratch;
+        // SAFETY: as this function's: `scratch` holds `scratch_bytes()` bytes.
+        unsafe { self.enqueue_metadata(&kernel.metadata, stream, scratch)? };
+        let gemm = &kernel.gemm;
         let tiles = m.div_ceil(TILE_TOKENS) * self.n.div_ceil(TILE_ROWS);
         let mut args = [&mut params as *mut SpGemmParams as *mut c_void];
         // SAFETY: the kernel takes one parameter block by value, `SpGemmParams` (the layout
-        // the kernel file asserts); the weight's maps cover buffers this value holds; the
-        // caller's contract covers `x`, `acc` and the stream.
+        // the kernel file asserts); the weight's maps cover buffers this value holds, `e` the
+        // words the metadata kernel wrote before it on the stream; the caller's contract
+        // covers `x`, `acc` and the stream.
         unsafe {
             cu::launch_kernel(
-                kernel.function,
+                gemm.function,
                 (tiles as u32, 1, 1),
                 (THREADS, 1, 1),
-                kernel.smem,
+                gemm.smem,
                 stream,
                 &mut args,
             )
         }
         .map_err(driver_err("cuLaunchKernel (compact sparse GEMM)"))
+    }
+
+    /// Enqueues the metadata kernel: the whole weight's metadata words into `scratch`.
+    ///
+    /// # Safety
+    /// As [`enqueue`](Self::enqueue)'s, for `stream` and `scratch`.
+    unsafe fn enqueue_metadata(
+        &self,
+        function: &Function,
+        stream: sys::CUstream,
+        scratch: u64,
+    ) -> Result<()> {
+        let mut meta = MetaParams {
+            e: scratch,
+            ..self.meta
+        };
+        let grid = (self.meta.k_tiles as u32, self.meta.n_tiles as u32, 1);
+        let mut args = [&mut meta as *mut MetaParams as *mut c_void];
+        // SAFETY: the kernel takes one parameter block by value, `SpMetaParams` (the layout
+        // both sides assert); it reads the ranks this value holds and writes the
+        // `scratch_bytes` the caller's contract covers.
+        unsafe {
+            cu::launch_kernel(
+                function.function,
+                grid,
+                (META_THREADS, 1, 1),
+                function.smem,
+                stream,
+                &mut args,
+            )
+        }
+        .map_err(driver_err("cuLaunchKernel (compact GEMM metadata)"))
     }
 }

@@ -177,7 +177,10 @@ fn run_compact(
         n: gemm.n,
         k_slide: gemm.k_slide,
     };
-    let call = (GemmCall::Compact(shape), gemm.rows_ptrs().0, 0, 0);
+    // The metadata words go to the lane's workspace (stream-ordered with every other call of
+    // the lane, so layers share it).
+    let p_scratch = lanes.current().workspace(client, gemm.scratch_bytes())?;
+    let call = (GemmCall::Compact(shape), gemm.rows_ptrs().0, 0, p_scratch);
     run_on_lane(client, &mut lanes, settings, (buffers, m_pad), call, |stream| {
         // Resolved here: on cubecl's device thread in `Stream` mode (no round trip).
         let (p_x, p_acc) = (
@@ -185,8 +188,9 @@ fn run_compact(
             buffers.acc.pointer(client)?,
         );
         // SAFETY: `codes` holds `m_pad` rows of the lift's `k_out` bytes and `acc` `m_pad`
-        // rows of `n_pad` INT32 (`forward_buffers`); burn's stream stays behind the GEMM.
-        unsafe { gemm.enqueue(stream, m_pad, p_x, p_acc) }
+        // rows of `n_pad` INT32 (`forward_buffers`), the workspace `scratch_bytes()`; burn's
+        // stream stays behind the GEMM.
+        unsafe { gemm.enqueue(stream, m_pad, (p_x, p_acc), p_scratch) }
     })
 }
 
