@@ -123,6 +123,34 @@ static void build_compact(const std::vector<int8_t>& w, int n, int k, std::vecto
     }
 }
 
+// The compact rows of the same matrix (burn-slidesparse/src/compact/rows.rs, `CompactRows`, the
+// layout the compact sparse GEMM reads): per row its blocks' 6 kept codes in order, padded to
+// whole 8-block groups (48 bytes per 64 k), and its blocks' 5-bit ranks packed little-endian,
+// padded to 16 bytes.
+static void build_rows(const std::vector<int8_t>& w, int n, int k, std::vector<uint8_t>& kept, int& kept_stride,
+                       std::vector<uint8_t>& ranks, int& rank_stride) {
+    const int blocks = k / 8, groups = (blocks + 7) / 8;
+    kept_stride = groups * 48;
+    rank_stride = (groups * 5 + 15) / 16 * 16;
+    kept.assign((size_t)n * kept_stride, 0);
+    ranks.assign((size_t)n * rank_stride, 0);
+#pragma omp parallel for
+    for (long row = 0; row < n; ++row)
+        for (int b = 0; b < blocks; ++b) {
+            const int8_t* v = &w[(size_t)row * k + 8 * b];
+            int zeros[2], nz = 0, nk = 0;
+            for (int i = 0; i < 8; ++i)
+                if (v[i] == 0 && nz < 2) zeros[nz++] = i;
+            uint8_t* kr = &kept[(size_t)row * kept_stride + 6 * b];
+            for (int i = 0; i < 8; ++i)
+                if (i != zeros[0] && i != zeros[1]) kr[nk++] = (uint8_t)v[i];
+            const int r = pair_rank(zeros[0], zeros[1]);
+            uint8_t* rr = &ranks[(size_t)row * rank_stride];
+            for (int bit = 0; bit < 5; ++bit)
+                if (r >> bit & 1) rr[(5 * b + bit) / 8] |= (uint8_t)(1u << ((5 * b + bit) % 8));
+        }
+}
+
 struct Shape {
     const char* name;
     int n, k;
@@ -140,20 +168,21 @@ typedef void (*Kernel)(const GemvParams);
 struct Config {
     const char* tag;
     int nt, r, w, s;
-    Kernel dense, compact;
-    int (*dense_smem)(int), (*compact_smem)(int);
+    Kernel dense, compact, rows;
+    int (*dense_smem)(int), (*compact_smem)(int), (*rows_smem)(int);
 };
 static const Config configs[] = {
-    {"t1", 1, 1, 8, 2, gemv_dense_bf16_t1, gemv_compact68_bf16_t1, gemv::GemvSmem<false, 1, 1, 8, 2>::bytes,
-     gemv::GemvSmem<true, 1, 1, 8, 2>::bytes},
-    {"t2", 2, 2, 4, 2, gemv_dense_bf16_t2, gemv_compact68_bf16_t2, gemv::GemvSmem<false, 2, 2, 4, 2>::bytes,
-     gemv::GemvSmem<true, 2, 2, 4, 2>::bytes},
+    {"t1", 1, 1, 8, 2, gemv_dense_bf16_t1, gemv_compact68_bf16_t1, gemv_rows68_bf16_t1, gemv::GemvSmem<0, 1, 1, 8, 2>::bytes,
+     gemv::GemvSmem<1, 1, 1, 8, 2>::bytes, gemv::GemvSmem<2, 1, 1, 8, 2>::bytes},
+    {"t2", 2, 2, 4, 2, gemv_dense_bf16_t2, gemv_compact68_bf16_t2, gemv_rows68_bf16_t2, gemv::GemvSmem<0, 2, 2, 4, 2>::bytes,
+     gemv::GemvSmem<1, 2, 2, 4, 2>::bytes, gemv::GemvSmem<2, 2, 2, 4, 2>::bytes},
 };
 
 static void set_smem_limits() {
     for (const Config& c : configs) {
         CK(cudaFuncSetAttribute(c.dense, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 - 1024));
         CK(cudaFuncSetAttribute(c.compact, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 - 1024));
+        CK(cudaFuncSetAttribute(c.rows, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 - 1024));
     }
 }
 
@@ -251,8 +280,8 @@ int main(int argc, char** argv) {
     }
 
     std::mt19937_64 rng(1234);
-    printf("\n| shape | N x K | M | best dense GEMV us | TB/s | best compact 6:8 us | TB/s | 6:8 / dense | cuBLASLt INT8 us | cuBLASLt / dense | check | per config: dense/compact us |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("\n| shape | N x K | M | best dense GEMV us | TB/s | best compact 6:8 us | TB/s | 6:8 / dense | cuBLASLt INT8 us | cuBLASLt / dense | check | per config: dense/compact/rows us | best rows 6:8 us | rows / tiles time |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Shape& sh : shapes) {
         const int n = sh.n, k = sh.k;
         // A 6:8-pruned INT8 matrix (codes in [-127, 127], two zeros per block at random).
@@ -278,6 +307,9 @@ int main(int argc, char** argv) {
         std::vector<uint32_t> index;
         int units, tail;
         build_compact(w, n, k, codes, index, units, tail);
+        std::vector<uint8_t> kept, ranks;
+        int kept_stride, rank_stride;
+        build_rows(w, n, k, kept, kept_stride, ranks, rank_stride);
         std::vector<float> sw(n), bias(n);
         for (int i = 0; i < n; ++i) {
             sw[i] = 1e-3f * (1 + (rng() % 1000) / 1000.f);
@@ -294,7 +326,12 @@ int main(int argc, char** argv) {
         std::vector<int8_t*> d_wd(copies), d_w(copies);
         std::vector<uint8_t*> d_codes(copies);
         std::vector<uint32_t*> d_index(copies);
+        std::vector<uint8_t*> d_kept(copies), d_ranks(copies);
         for (int c = 0; c < copies; ++c) {
+            CK(cudaMalloc(&d_kept[c], kept.size()));
+            CK(cudaMemcpy(d_kept[c], kept.data(), kept.size(), cudaMemcpyHostToDevice));
+            CK(cudaMalloc(&d_ranks[c], ranks.size()));
+            CK(cudaMemcpy(d_ranks[c], ranks.data(), ranks.size(), cudaMemcpyHostToDevice));
             CK(cudaMalloc(&d_wd[c], dense_bytes));
             CK(cudaMemcpy(d_wd[c], wd.data(), dense_bytes, cudaMemcpyHostToDevice));
             CK(cudaMalloc(&d_codes[c], codes.size()));
@@ -355,29 +392,37 @@ int main(int argc, char** argv) {
             // Every config of this token tile count: check both kernels exactly, then time them
             // with plain launches and with programmatic dependent launch + L2 prefetch.
             std::string cells;
-            float best_dense = 1e9, best_compact = 1e9;
+            float best_dense = 1e9, best_compact = 1e9, best_rows = 1e9;
             int bad = 0;
             for (const Config& cf : configs) {
-                if (cf.nt != nt || cf.dense_smem(m) > 232448 - 1024 || cf.compact_smem(m) > 232448 - 1024) continue;
+                if (cf.nt != nt || cf.dense_smem(m) > 232448 - 1024 || cf.compact_smem(m) > 232448 - 1024 ||
+                    cf.rows_smem(m) > 232448 - 1024)
+                    continue;
                 const int groups = (n / 16 + cf.r - 1) / cf.r;
                 int occ_d = 0, occ_c = 0;
                 CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, cf.dense, cf.w * 32, cf.dense_smem(m)));
                 CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_c, cf.compact, cf.w * 32, cf.compact_smem(m)));
                 const int occ = std::max(1, std::min(occ_d, occ_c));
                 const dim3 grid(std::min(groups, occ * sms)), block(cf.w * 32);
-                for (int compact = 0; compact < 2; ++compact) {
+                // Layouts 0 dense, 1 compact tiles, 2 compact rows.
+                for (int compact = 0; compact < 3; ++compact) {
                     GemvParams q = p;
-                    q.w = compact ? (u64)d_codes[0] : (u64)d_wpruned;
-                    q.idx = compact ? (u64)d_index[0] : 0;
+                    q.w = compact == 2 ? (u64)d_kept[0] : compact ? (u64)d_codes[0] : (u64)d_wpruned;
+                    q.idx = compact == 2 ? (u64)d_ranks[0] : compact ? (u64)d_index[0] : 0;
+                    if (compact == 2) q.w_stride = kept_stride, q.idx_stride = rank_stride;
+                    const Kernel kern = compact == 2 ? cf.rows : compact ? cf.compact : cf.dense;
+                    const int smem = compact == 2 ? cf.rows_smem(m) : compact ? cf.compact_smem(m) : cf.dense_smem(m);
                     CK(cudaMemset(d_y, 0xff, (size_t)m * n * 2));
-                    launch(compact ? cf.compact : cf.dense, grid, block, compact ? cf.compact_smem(m) : cf.dense_smem(m), s, q, false);
+                    launch(kern, grid, block, smem, s, q, false);
                     CK(cudaGetLastError());
                     CK(cudaStreamSynchronize(s));
                     std::vector<uint16_t> got((size_t)m * n);
                     CK(cudaMemcpy(got.data(), d_y, got.size() * 2, cudaMemcpyDeviceToHost));
                     for (size_t i = 0; i < got.size(); ++i)
                         if (got[i] != ref[i]) {
-                            if (bad < 3) fprintf(stderr, "%s m=%d cfg %s %s mismatch at %zu: %04x vs %04x\\n", sh.name, m, cf.tag, compact ? "compact" : "dense", i, got[i], ref[i]);
+                            if (bad < 3)
+                                fprintf(stderr, "%s m=%d cfg %s %s mismatch at %zu: %04x vs %04x\n", sh.name, m, cf.tag,
+                                        compact == 2 ? "rows" : compact ? "compact" : "dense", i, got[i], ref[i]);
                             ++bad;
                         }
                 }
@@ -395,10 +440,20 @@ int main(int argc, char** argv) {
                         q.flags = pdl ? GEMV_FLAG_PREFETCH : 0;
                         launch(cf.compact, grid, block, cf.compact_smem(m), s, q, pdl);
                     });
+                    float tr = time_graph(s, copies, [&](int c) {
+                        GemvParams q = p;
+                        q.w = (u64)d_kept[c];
+                        q.idx = (u64)d_ranks[c];
+                        q.w_stride = kept_stride;
+                        q.idx_stride = rank_stride;
+                        q.flags = pdl ? GEMV_FLAG_PREFETCH : 0;
+                        launch(cf.rows, grid, block, cf.rows_smem(m), s, q, pdl);
+                    });
                     best_dense = std::min(best_dense, td);
                     best_compact = std::min(best_compact, tc);
+                    best_rows = std::min(best_rows, tr);
                     char buf[128];
-                    snprintf(buf, sizeof buf, " %s%s %.1f/%.1f |", cf.tag, pdl ? "+pdl" : "", td, tc);
+                    snprintf(buf, sizeof buf, " %s%s %.1f/%.1f/%.1f |", cf.tag, pdl ? "+pdl" : "", td, tc, tr);
                     cells += buf;
                 }
             }
@@ -429,15 +484,18 @@ int main(int argc, char** argv) {
             cublasLtMatrixLayoutDestroy(lb);
             cublasLtMatrixLayoutDestroy(lc);
             cublasLtMatmulDescDestroy(desc);
-            printf("| %s | %d x %d | %d | %.2f | %.2f | %.2f | %.2f | %.3f | %.2f | %.2f | %s |%s\n", sh.name, n, k, m, t_dense,
+            printf("| %s | %d x %d | %d | %.2f | %.2f | %.2f | %.2f | %.3f | %.2f | %.2f | %s |%s", sh.name, n, k, m, t_dense,
                    dense_bytes / t_dense / 1e6, t_compact, compact_bytes / t_compact / 1e6, t_dense / t_compact, t_lt,
                    t_lt / t_dense, bad ? "MISMATCH" : "exact", cells.c_str());
+            printf(" %.2f | %.3f |\n", best_rows, best_rows / t_compact);
             fflush(stdout);
         }
         for (int c = 0; c < copies; ++c) {
             cudaFree(d_wd[c]);
             cudaFree(d_codes[c]);
             cudaFree(d_index[c]);
+            cudaFree(d_kept[c]);
+            cudaFree(d_ranks[c]);
         }
         cudaFree(d_wpruned);
         cudaFree(d_x);

@@ -1,8 +1,8 @@
-//! GPU tests of our Hopper sparse GEMM on the compact rows (`cuda/compact_gemm.rs`): above the
-//! GEMV's sizes a layer built on it gives bit for bit what the same layer built on cuSPARSELt
-//! gives (both accumulate the same INT8 codes exactly in INT32, then run the same epilogue),
-//! for every pattern it serves and odd shapes; at every size (the compact GEMM serves decode
-//! sizes too) it matches the host's W8A8 on fresh data.
+//! GPU tests of our Hopper sparse GEMM on the compact rows (`cuda/compact_gemm.rs`) and the
+//! decode GEMV on the same rows: at every size a layer built on them gives bit for bit what the
+//! same layer built on cuSPARSELt gives (both accumulate the same INT8 codes exactly in INT32,
+//! then run the same epilogue), for every pattern the GEMM serves and odd shapes, and matches
+//! the host's W8A8 on fresh data.
 //!
 //! They need an NVIDIA Hopper GPU (sm_90) and cuSPARSELt: `#[ignore]`d, run on the GPU host
 //! with `--ignored` (`scripts/gpu-run.sh tests`). On another GPU they say so and pass.
@@ -39,6 +39,14 @@ fn layer(packed: &PackedLinear, choice: SparseGemmChoice) -> CudaPrepared {
     assert_eq!(
         compact,
         choice == SparseGemmChoice::Compact,
+        "{}",
+        packed.pattern
+    );
+    // A 6:8 layer decodes through the GEMV on its compact layout (rows or tiles).
+    let six_eight = packed.pattern.block_len() == 8;
+    assert_eq!(
+        layer.gemv_reads(),
+        six_eight.then_some(true),
         "{}",
         packed.pattern
     );
@@ -101,17 +109,19 @@ fn compact_gemm_is_bit_identical_to_cusparselt_for_every_pattern() {
             let pruned = packed.unslide().unwrap();
             let zeros = vec![0.0; n];
             let host_bias = bias.unwrap_or(&zeros);
-            for m in [1, 16, 17, 300, 1000] {
+            for m in [1, 9, 16, 17, 256, 257, 1000] {
                 let x = random_f32(&mut rng, m * k);
+                // At up to 16 tokens a 6:8 layer runs the GEMV on both sides (ours on the
+                // compact GEMM's rows, cuSPARSELt's layer on its tiles): exact sums, the same
+                // epilogue, so bit for bit too. Past them ours runs the metadata kernel and
+                // the GEMM on its words (256 and 257: one token tile and two).
                 let (a, b) = (forward(&ours, &x, (m, k)), forward(&lt, &x, (m, k)));
-                // At up to 16 tokens the cuSPARSELt layer of 6:8 runs the GEMV instead.
-                let same_path = m > 16 || pattern.block_len() != 8;
                 let first = a
                     .iter()
                     .zip(&b)
                     .position(|(p, q)| p.to_bits() != q.to_bits());
                 assert!(
-                    !same_path || first.is_none(),
+                    first.is_none(),
                     "{pattern} m={m} k={k} n={n}: element {first:?} differs: {:?} vs {:?}",
                     first.map(|i| a[i]),
                     first.map(|i| b[i])

@@ -1,10 +1,11 @@
 //! The weight-streaming GEMV of small forwards (decode, up to [`MAX_TOKENS`] tokens):
 //! `kernels/decode_gemv.cu`, INT8 codes of activations and weights, the sum exact in INT32 on
 //! the tensor cores, the epilogue (`acc * s_x * s_w + b` in f32, one rounding to the output
-//! type) fused in. It reads a dense layer's row-major codes (the copy cuBLASLt reads too) or a
+//! type) fused in. It reads a dense layer's row-major codes (the copy cuBLASLt reads too), a
 //! 6:8 layer's compact tiles (`compact.rs`, 0.83x the dense bytes, where cuSPARSELt's slid
-//! 2:4 copy is 0.94x): one launch per forward after the quantization, against the library
-//! path's GEMM and epilogue. Why this kernel and its configuration:
+//! 2:4 copy is 0.94x) beside cuSPARSELt's copy, or the compact rows our sparse GEMM reads
+//! (`compact/rows.rs`: the same bytes row-major, the layer's one copy): one launch per forward
+//! after the quantization, against the library path's GEMM and epilogue. Why this kernel and its configuration:
 //! `docs/decisions/decode-gemv.md`.
 
 use std::{collections::HashMap, sync::Arc};
@@ -39,6 +40,8 @@ pub const MAX_TOKENS: usize = 16;
 /// weights (`COMPACT_STEP_BYTES`, `DENSE_STEP_BYTES`).
 const X_ROW: usize = 576;
 const COMPACT_STEP: usize = 6144 + 640;
+/// `ROWS_STEP_BYTES`: 16 rows of 432 code bytes and 40 rank bytes.
+const ROWS_STEP: usize = 16 * 432 + 16 * 40;
 const DENSE_STEP: usize = 8 * 1024;
 /// `GEMV_FLAG_PREFETCH`: prefetch the first group's weights into L2 before waiting for the
 /// kernel before (programmatic dependent launch).
@@ -64,6 +67,7 @@ pub struct GemvParams {
     pub units: i32,
     pub tail: i32,
     pub flags: i32,
+    pub idx_stride: i32,
 }
 
 /// A kernel's shape: token tiles, row tiles per group, warps, stages (as `GEMV_LIBRARY`
@@ -98,17 +102,45 @@ impl Shape {
     }
 
     /// Dynamic shared memory of a launch for `m` tokens (`GemvSmem::bytes`).
-    fn smem(&self, compact: bool, m: usize) -> usize {
-        let weights = if compact { COMPACT_STEP } else { DENSE_STEP };
+    fn smem(&self, layout: Layout, m: usize) -> usize {
+        let weights = match layout {
+            Layout::Dense => DENSE_STEP,
+            Layout::Tiles => COMPACT_STEP,
+            Layout::Rows => ROWS_STEP,
+        };
         let ring = self.stages * (self.rows * weights + m * X_ROW);
         let partial = 2 * self.warps * self.rows * self.tiles * 8 * 16 * 4;
         self.warps * ring + partial
     }
 }
 
-/// The kernels of one device, by `(compact, output dtype, shape index)`.
+/// The weight layouts the kernels read (`LAYOUT` in `decode_gemv.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Layout {
+    /// Row-major INT8 codes.
+    Dense,
+    /// 6:8 compact tiles (`DecodeTiles`).
+    Tiles,
+    /// 6:8 compact rows (`CompactRows`).
+    Rows,
+}
+
+impl Layout {
+    const ALL: [Self; 3] = [Self::Dense, Self::Tiles, Self::Rows];
+
+    /// The kernels' name part.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Dense => "dense",
+            Self::Tiles => "compact68",
+            Self::Rows => "rows68",
+        }
+    }
+}
+
+/// The kernels of one device, by `(layout, output dtype, shape index)`.
 struct Kernels {
-    functions: HashMap<(bool, OutType, usize), sys::CUfunction>,
+    functions: HashMap<(Layout, OutType, usize), sys::CUfunction>,
     sm_count: usize,
 }
 
@@ -153,13 +185,12 @@ fn kernels(index: usize) -> Result<Arc<Kernels>> {
     KERNELS.get_or_try_init(index, || {
         let program = LoadedProgram::load(index, &PROGRAM)?;
         let mut functions = HashMap::new();
-        for compact in [false, true] {
+        for layout in Layout::ALL {
             for out in [OutType::F32, OutType::Bf16, OutType::F16] {
                 for (i, shape) in SHAPES.iter().enumerate() {
-                    let layout = if compact { "compact68" } else { "dense" };
-                    let name = format!("gemv_{layout}_{}_t{}", out.name(), shape.tiles);
-                    let smem = shape.smem(compact, 8 * shape.tiles);
-                    functions.insert((compact, out, i), program.function(&name, smem)?);
+                    let name = format!("gemv_{}_{}_t{}", layout.name(), out.name(), shape.tiles);
+                    let smem = shape.smem(layout, 8 * shape.tiles);
+                    functions.insert((layout, out, i), program.function(&name, smem)?);
                 }
             }
         }
@@ -202,6 +233,15 @@ pub enum GemvWeight {
         index: HeldBuffer,
         units: usize,
         tail: usize,
+    },
+    /// 6:8 compact rows held by the layer's compact GEMM.
+    Rows {
+        /// The kept codes' and the ranks' device pointers.
+        kept: u64,
+        ranks: u64,
+        /// Their row strides in bytes.
+        kept_stride: usize,
+        rank_stride: usize,
     },
 }
 
@@ -247,9 +287,39 @@ impl Gemv {
         })
     }
 
-    /// Whether it reads compact tiles.
+    /// The GEMV of a 6:8 INT8 layer whose compact GEMM holds its compact rows (`CompactRows`
+    /// of `n` rows of `k` input features: kept codes at `kept`, ranks at `ranks`, with their
+    /// row strides), read in place: the layer's one copy.
+    pub fn rows(
+        (kept, ranks): (u64, u64),
+        (kept_stride, rank_stride): (usize, usize),
+        n: usize,
+        k: usize,
+    ) -> Self {
+        Self {
+            weight: GemvWeight::Rows {
+                kept,
+                ranks,
+                kept_stride,
+                rank_stride,
+            },
+            bytes: n * (kept_stride + rank_stride),
+            n,
+            k,
+        }
+    }
+
+    fn layout(&self) -> Layout {
+        match self.weight {
+            GemvWeight::Dense { .. } => Layout::Dense,
+            GemvWeight::Compact { .. } => Layout::Tiles,
+            GemvWeight::Rows { .. } => Layout::Rows,
+        }
+    }
+
+    /// Whether it reads a compact 6:8 layout (tiles or rows).
     pub fn is_compact(&self) -> bool {
-        matches!(self.weight, GemvWeight::Compact { .. })
+        self.layout() != Layout::Dense
     }
 
     /// Bytes of its weight the GEMV reads per forward.
@@ -286,11 +356,11 @@ impl Gemv {
             });
         }
         let kernels = kernels(index)?;
-        let compact = self.is_compact();
+        let layout = self.layout();
         let shape_index = if m <= 8 { 0 } else { 1 };
         let shape = Shape::of(m);
-        let function = kernels.functions[&(compact, OutType::of(out)?, shape_index)];
-        let smem = shape.smem(compact, m);
+        let function = kernels.functions[&(layout, OutType::of(out)?, shape_index)];
+        let smem = shape.smem(layout, m);
         let threads = 32 * shape.warps;
         let groups = self.n.div_ceil(16).div_ceil(shape.rows);
         let per_sm = occupancy(function, threads, smem)?;
@@ -323,6 +393,18 @@ impl Gemv {
                 params.k = int("K", self.k.next_multiple_of(64))?;
                 params.units = *units as i32;
                 params.tail = *tail as i32;
+            }
+            GemvWeight::Rows {
+                kept,
+                ranks,
+                kept_stride,
+                rank_stride,
+            } => {
+                params.w = *kept;
+                params.idx = *ranks;
+                params.k = int("K", self.k.next_multiple_of(64))?;
+                params.w_stride = int("kept row stride", *kept_stride)?;
+                params.idx_stride = int("rank row stride", *rank_stride)?;
             }
         }
         params.flags = flags;

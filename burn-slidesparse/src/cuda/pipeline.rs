@@ -97,6 +97,14 @@ impl<G> std::fmt::Debug for GpuLayer<G> {
     }
 }
 
+impl<G> GpuLayer<G> {
+    /// `None` where forwards of up to [`MAX_TOKENS`](super::gemv::MAX_TOKENS) tokens run the
+    /// GEMM, else whether the GEMV they run reads a compact 6:8 layout (tiles or rows).
+    pub fn gemv_reads(&self) -> Option<bool> {
+        self.gemv.as_ref().map(|g| g.is_compact())
+    }
+}
+
 impl<G: LayerGemm> GpuLayer<G> {
     /// `Y [m, n]` for `X [m, k]` (made contiguous first: burn-cuda may allocate 2-D tensors
     /// with padded, "pitched", rows), in `X`'s float dtype.

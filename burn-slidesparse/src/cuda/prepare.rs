@@ -139,8 +139,8 @@ impl GpuLayer<SparseGemm> {
 
     /// [`new_sparse`](Self::new_sparse) with the GEMM chosen here. With
     /// [`SparseGemmChoice::Compact`] the layer holds one copy of its weight: our compact GEMM's
-    /// rows where the layer allows it ([`compact_gemm_fits`]), else cuSPARSELt's compressed
-    /// copy; either serves every size (no GEMV). With
+    /// rows where the layer allows it ([`compact_gemm_fits`]), which a 6:8 layer's GEMV reads
+    /// too, else cuSPARSELt's compressed copy, serving every size. With
     /// [`SparseGemmChoice::CuSparseLt`], cuSPARSELt's copy, and beside it the GEMV's compact
     /// rows for a 6:8 INT8 layer. cuSPARSELt's copy is checked by its PruneCheck; the
     /// uncompressed upload is freed before this returns.
@@ -186,9 +186,12 @@ impl GpuLayer<SparseGemm> {
                 "SlideSparseLinear compact rows".into()
             })?;
             let gemm = Arc::new(CompactGemm::new(client, device_index, &compact, (k_prime, n_pad))?);
-            // The GEMV does not read the compact rows yet (its own layout is `DecodeTiles`):
-            // the compact GEMM serves every size, so the device holds one copy.
-            return Ok(layer(SparseGemm::Compact(gemm), None));
+            // A 6:8 layer's GEMV reads the same rows: one copy serves every size.
+            let gemv = (spec.pattern.block_len() == 8 && gemv_enabled()?).then(|| {
+                let strides = (gemm.kept_stride, gemm.rank_stride);
+                Arc::new(Gemv::rows(gemm.rows_ptrs(), strides, n, spec.in_features))
+            });
+            return Ok(layer(SparseGemm::Compact(gemm), gemv));
         }
         // The uncompressed upload plus about as much again for the compressed copy and its
         // buffer, all alive together.

@@ -13,11 +13,15 @@
 // 16 consecutive k of [16t, 16t + 16) of each 64-wide chunk, so a thread reads 16 bytes of a
 // weight row and 16 bytes of a token row per chunk.
 //
-// Two weight layouts:
-// - dense: W row-major [n, w_stride] INT8 (the copy the library GEMM reads too);
-// - compact 6:8: per block of 8 weights its 6 kept codes and the rank of its pair of zero
-//   positions (5 bits), tiled so that every load a warp issues is 512 contiguous bytes
-//   (`compact.rs`, `DecodeTiles`, says where each byte goes).
+// Three weight layouts (LAYOUT):
+// - 0, dense: W row-major [n, w_stride] INT8 (the copy the library GEMM reads too);
+// - 1, compact 6:8 tiles: per block of 8 weights its 6 kept codes and the rank of its pair of
+//   zero positions (5 bits), tiled so that every load a warp issues is 512 contiguous bytes
+//   (`compact.rs`, `DecodeTiles`, says where each byte goes);
+// - 2, compact 6:8 rows: the same codes and ranks row-major, as the compact sparse GEMM reads
+//   them (`compact/rows.rs`, `CompactRows`: kept [n, w_stride], ranks [n, idx_stride]), so that
+//   a layer holds one copy for both. A step's rows are staged with 16-byte (codes) and 8-byte
+//   (ranks) copies into rows padded for conflict-free reads (ROWS_CODE_STRIDE).
 
 #include "common.cuh"
 
@@ -35,6 +39,7 @@ struct GemvParams {
     int units;     // compact: full 512-wide units of a row tile, then
     int tail;      // 64-wide tail chunks
     int flags;     // GEMV_FLAG_*
+    int idx_stride;  // compact rows: bytes per rank row (a multiple of 16)
 };
 
 namespace gemv {
@@ -120,6 +125,9 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
 __device__ __forceinline__ void cp16_zfill(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp8_zfill(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
+}
 __device__ __forceinline__ void cp8(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
 }
@@ -162,13 +170,20 @@ __device__ __forceinline__ void let_next_start() {
 #define X_ROW (STEP_K + 64)
 #define DENSE_STEP_BYTES (8 * 1024)
 #define COMPACT_STEP_BYTES (UNIT_CODE_BYTES + UNIT_IDX_BYTES)
+// Compact rows: a step's 384 code bytes of a row, padded to 432 (108 words: the rows g = 0..7 a
+// quad-row of threads reads start 12 banks apart, so a thread's three words of one chunk and
+// its quad's make 32 distinct banks), then the 16 rows' 40 rank bytes (10 words apart: distinct
+// banks for the 8 rows a warp reads at once).
+#define ROWS_CODE_STRIDE 432
+#define ROWS_RANK_STRIDE 40
+#define ROWS_STEP_BYTES (GEMV_ROWS * ROWS_CODE_STRIDE + GEMV_ROWS * ROWS_RANK_STRIDE)
 #define GEMV_FLAG_PREFETCH 1
 
 // A stage: the step's weights of each of the CTA's R row tiles, then its activations, one
 // row per token (the size depends on m: decode stages hold one token row, not eight).
-template <bool COMPACT, int R>
+template <int LAYOUT, int R>
 struct GemvStage {
-    static constexpr int WEIGHTS = COMPACT ? COMPACT_STEP_BYTES : DENSE_STEP_BYTES;
+    static constexpr int WEIGHTS = LAYOUT == 1 ? COMPACT_STEP_BYTES : LAYOUT == 2 ? ROWS_STEP_BYTES : DENSE_STEP_BYTES;
     static __host__ __device__ __forceinline__ int bytes(int m) { return R * WEIGHTS + m * X_ROW; }
 };
 
@@ -276,6 +291,33 @@ __device__ __forceinline__ void compact_chunk(const char* stage, const u32 (&ix)
     }
 }
 
+// Compact rows of step `s` (k [512 s, 512 s + 512): 384 code bytes and 40 rank bytes per row)
+// of row tile `tile`: codes as 16 rows of ROWS_CODE_STRIDE, then ranks as 16 rows of
+// ROWS_RANK_STRIDE. Consecutive lanes copy consecutive pieces of a row (a warp's copy reads
+// 512 contiguous bytes but at a row's end). Rows past n and bytes past a row's end are zero:
+// rank 0 and zero codes expand to zero weights.
+__device__ __forceinline__ void stage_rows(const GemvParams& p, u32 dst, int tile, int s) {
+    const int lane = threadIdx.x & 31;
+    const int n0 = tile * GEMV_ROWS;
+    const size_t kept0 = (size_t)s * 384, rank0 = (size_t)s * 40;
+#pragma unroll
+    for (int j = 0; j < 12; ++j) {  // 16 rows x 24 pieces of 16 bytes
+        const int i = lane + 32 * j, row = i / 24, col = i % 24;
+        const bool valid = n0 + row < p.n && kept0 + 16 * col + 16 <= (size_t)p.w_stride;
+        const char* src = (const char*)p.w + (valid ? (size_t)(n0 + row) * p.w_stride + kept0 + 16 * col : 0);
+        cp16_zfill(dst + row * ROWS_CODE_STRIDE + 16 * col, src, valid);
+    }
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {  // 16 rows x 5 pieces of 8 bytes (rank rows are 16-byte aligned)
+        const int i = lane + 32 * j, row = i / 5, piece = i % 5;
+        if (i < 80) {
+            const bool valid = n0 + row < p.n && rank0 + 8 * piece + 8 <= (size_t)p.idx_stride;
+            const char* src = (const char*)p.idx + (valid ? (size_t)(n0 + row) * p.idx_stride + rank0 + 8 * piece : 0);
+            cp8_zfill(dst + GEMV_ROWS * ROWS_CODE_STRIDE + row * ROWS_RANK_STRIDE + 8 * piece, src, valid);
+        }
+    }
+}
+
 // The accumulators: two chains per (row tile, token tile) so that consecutive chunks' MMAs
 // do not wait on each other; summed at the end of a group.
 template <int R, int NT>
@@ -332,6 +374,44 @@ __device__ __forceinline__ void compact_tail(const char* stage, int weights, con
             place(i, e0, e1, a, b);
         }
         mma_chunk<NT>(acc.v[0][r], a, b, xv);
+    }
+}
+
+// The two blocks of row `row` (0..15) a thread of quad position t holds in chunk c of a staged
+// step (blocks 8 c + 2 t and 8 c + 2 t + 1: k [64 c + 16 t, 64 c + 16 t + 16)), expanded:
+// e[0], e[1] the first block's eight codes, e[2], e[3] the second's. Its 12 code bytes are
+// three words (the quad's and the 8 rows' together 32 distinct banks, ROWS_CODE_STRIDE), its
+// 10 rank bits one funnel shift of two words.
+__device__ __forceinline__ void rows_blocks(const char* stage, int row, int c, int t, const u32* table, u32 (&e)[4]) {
+    const char* codes = stage + row * ROWS_CODE_STRIDE + 48 * c + 12 * t;
+    const u32 w0 = *(const u32*)codes, w1 = *(const u32*)(codes + 4), w2 = *(const u32*)(codes + 8);
+    const u32* ranks = (const u32*)(stage + GEMV_ROWS * ROWS_CODE_STRIDE + row * ROWS_RANK_STRIDE);
+    const int bit = 40 * c + 10 * t, word = bit >> 5;
+    // Word 10 of row 15 lies past the ranks (in the stage's activations): its bits are shifted out.
+    const u32 r = __funnelshift_r(ranks[word], ranks[word + 1], (u32)(bit & 31));
+    expand(w0, w1 & 0xffffu, table[r & 31u], e[0], e[1]);
+    expand(__funnelshift_r(w1, w2, 16), w2 >> 16, table[(r >> 5) & 31u], e[2], e[3]);
+}
+
+// One staged step of compact rows, `chunks` of its 8 chunks, for every row tile. (The loop is
+// dense_step's; kept apart so that the dense kernels' code stays as measured.)
+template <int R, int NT>
+__device__ __forceinline__ void rows_step(const char* stage, int weights, const char* xs, const GemvParams& p, int chunks,
+                                          const u32* table, Acc<R, NT>& acc) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+        if (c < chunks) {
+            u32 xv[NT][4];
+            read_x<NT>(p, xs, c, xv);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                u32 a[4], b[4];
+                rows_blocks(stage + r * weights, g, c, t, table, a);
+                rows_blocks(stage + r * weights, g + 8, c, t, table, b);
+                mma_chunk<NT>(acc.v[c & 1][r], a, b, xv);
+            }
+        }
     }
 }
 
@@ -400,9 +480,9 @@ __device__ __forceinline__ void reduce_and_store(const GemvParams& p, int group,
 }
 
 // Shared memory of one kernel: the warps' stage rings, then the partial sums.
-template <bool COMPACT, int NT, int R, int WARPS, int STAGES>
+template <int LAYOUT, int NT, int R, int WARPS, int STAGES>
 struct GemvSmem {
-    static __host__ __device__ __forceinline__ int ring(int m) { return STAGES * GemvStage<COMPACT, R>::bytes(m); }
+    static __host__ __device__ __forceinline__ int ring(int m) { return STAGES * GemvStage<LAYOUT, R>::bytes(m); }
     // Two buffers: a tile's partial sums are written while the previous tile's may still be read.
     static constexpr int PARTIAL = 2 * WARPS * R * NT * 8 * GEMV_ROWS * 4;
     static __host__ __device__ __forceinline__ int bytes(int m) { return WARPS * ring(m) + PARTIAL; }
@@ -414,10 +494,11 @@ struct GemvSmem {
 // units, then its share of the 64-wide tail chunks round robin). A warp's copies run
 // STAGES - 1 steps ahead across group boundaries, so the next group's weights are in flight
 // while the CTA reduces and stores the last one.
-template <bool COMPACT, int NT, int R, int WARPS, int STAGES, int OUT>
+template <int LAYOUT, int NT, int R, int WARPS, int STAGES, int OUT>
 __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
-    using Smem = GemvSmem<COMPACT, NT, R, WARPS, STAGES>;
-    using Stage = GemvStage<COMPACT, R>;
+    using Smem = GemvSmem<LAYOUT, NT, R, WARPS, STAGES>;
+    using Stage = GemvStage<LAYOUT, R>;
+    constexpr bool COMPACT = LAYOUT == 1, ROWS = LAYOUT == 2;
     const int stage_bytes = Stage::bytes(p.m);
     __shared__ u32 table[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -449,16 +530,22 @@ __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
                     prefetch_l2((const char*)p.w + tile * compact_tile_codes(p) + (size_t)s0 * UNIT_CODE_BYTES, steps * UNIT_CODE_BYTES);
                     prefetch_l2((const char*)p.idx + tile * compact_tile_index(p) + (size_t)s0 * UNIT_IDX_BYTES, steps * UNIT_IDX_BYTES);
                 }
+            } else if (ROWS) {
+                if (lane < GEMV_ROWS && tile * GEMV_ROWS + lane < p.n) {
+                    const size_t row = (size_t)(tile * GEMV_ROWS + lane);
+                    const int b0 = min(p.w_stride, s0 * 384), b1 = min(p.w_stride, (s0 + steps) * 384);
+                    if (b1 > b0) prefetch_l2((const char*)p.w + row * p.w_stride + b0, (u32)(b1 - b0));
+                }
             } else if (lane < GEMV_ROWS && tile * GEMV_ROWS + lane < p.n) {
                 const int k0 = s0 * STEP_K, k1 = min(p.k, (s0 + steps) * STEP_K);
                 if (k1 > k0) prefetch_l2((const char*)p.w + (size_t)(tile * GEMV_ROWS + lane) * p.w_stride + k0, (u32)(k1 - k0));
             }
         }
     }
-    if (COMPACT) fill_expand_table(table);
+    if (COMPACT || ROWS) fill_expand_table(table);
     wait_for_inputs();
     let_next_start();
-    if (COMPACT) __syncthreads();
+    if (COMPACT || ROWS) __syncthreads();
     Acc<R, NT> acc;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -487,6 +574,7 @@ __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
                 const int tile = group * R + r;
                 if (tile < tiles) {
                     if (COMPACT) stage_compact(p, dst + r * Stage::WEIGHTS, tile, s < steps ? s0 + s : p.units + warp + (s - steps) * WARPS);
+                    else if (ROWS) stage_rows(p, dst + r * Stage::WEIGHTS, tile, s0 + s);
                     else stage_dense(p, dst + r * Stage::WEIGHTS, tile, k0, chunks);
                 }
             }
@@ -510,6 +598,8 @@ __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
             if (COMPACT) {
                 if (s < steps) compact_unit<R, NT>(stage, Stage::WEIGHTS, xs, p, table, acc);
                 else compact_tail<R, NT>(stage, Stage::WEIGHTS, xs, p, table, acc);
+            } else if (ROWS) {
+                rows_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), table, acc);
             } else {
                 dense_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), acc);
             }
@@ -523,20 +613,22 @@ __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
 
 }  // namespace gemv
 
-#define GEMV_KERNEL(NAME, COMPACT, NT, R, WARPS, STAGES, OUT)                          \
+#define GEMV_KERNEL(NAME, LAYOUT, NT, R, WARPS, STAGES, OUT)                           \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const GemvParams p) { \
         extern __shared__ __align__(128) unsigned char gemv_smem[];                    \
-        gemv::gemv<COMPACT, NT, R, WARPS, STAGES, OUT>(p, (char*)gemv_smem);                             \
+        gemv::gemv<LAYOUT, NT, R, WARPS, STAGES, OUT>(p, (char*)gemv_smem);                              \
     }
 
 // The kernels the library launches: per token tile count, the configuration measured fastest
 // on the H200 (docs/decisions/decode-gemv.md): groups of one 16-row tile, 8 warps and two
 // stages for up to 8 tokens; two tiles, 4 warps, two stages for up to 16.
-#define GEMV_LIBRARY(NAME, OUT)                                   \
-    GEMV_KERNEL(gemv_dense_##NAME##_t1, false, 1, 1, 8, 2, OUT)   \
-    GEMV_KERNEL(gemv_dense_##NAME##_t2, false, 2, 2, 4, 2, OUT)   \
-    GEMV_KERNEL(gemv_compact68_##NAME##_t1, true, 1, 1, 8, 2, OUT) \
-    GEMV_KERNEL(gemv_compact68_##NAME##_t2, true, 2, 2, 4, 2, OUT)
+#define GEMV_LIBRARY(NAME, OUT)                                \
+    GEMV_KERNEL(gemv_dense_##NAME##_t1, 0, 1, 1, 8, 2, OUT)     \
+    GEMV_KERNEL(gemv_dense_##NAME##_t2, 0, 2, 2, 4, 2, OUT)     \
+    GEMV_KERNEL(gemv_compact68_##NAME##_t1, 1, 1, 1, 8, 2, OUT) \
+    GEMV_KERNEL(gemv_compact68_##NAME##_t2, 1, 2, 2, 4, 2, OUT) \
+    GEMV_KERNEL(gemv_rows68_##NAME##_t1, 2, 1, 1, 8, 2, OUT)    \
+    GEMV_KERNEL(gemv_rows68_##NAME##_t2, 2, 2, 2, 4, 2, OUT)
 GEMV_LIBRARY(f32, 0)
 GEMV_LIBRARY(bf16, 1)
 GEMV_LIBRARY(f16, 2)
