@@ -262,32 +262,46 @@ impl CpuInt8Layer {
     /// The tokens' codes (in the weight's column order, zero-padded to `kp`) and scales.
     fn quantize(&self, x: &[f32], m: usize) -> QuantizedTokens {
         let kp = self.kp;
+        // The unsigned bytes in the form the kernel that runs reads, written with the codes.
+        let form = UnsignedForm::read_by(self.fused_rows(m).is_some());
         let mut codes = vec![0i8; m * kp];
-        let mut abs = vec![0u8; m * kp];
+        let mut unsigned = vec![form.of(0); m * kp];
         let mut scales = vec![0f32; m];
-        let token = |(((codes, abs), scale), row)| self.quantize_token(row, codes, abs, scale);
+        let token = |(((codes, unsigned), scale), row)| {
+            self.quantize_token(row, (codes, unsigned, form), scale)
+        };
         let (kp, k) = (kp.max(1), self.k.max(1));
         if m * self.k <= SERIAL_VALUES {
-            let rows = codes.chunks_mut(kp).zip(abs.chunks_mut(kp));
+            let rows = codes.chunks_mut(kp).zip(unsigned.chunks_mut(kp));
             rows.zip(scales.iter_mut()).zip(x.chunks(k)).for_each(token);
         } else {
-            let rows = codes.par_chunks_mut(kp).zip(abs.par_chunks_mut(kp));
+            let rows = codes.par_chunks_mut(kp).zip(unsigned.par_chunks_mut(kp));
             rows.zip(scales.par_iter_mut())
                 .zip(x.par_chunks(k))
                 .for_each(token);
         }
-        QuantizedTokens { codes, abs, scales }
+        QuantizedTokens {
+            codes,
+            unsigned,
+            form,
+            scales,
+        }
     }
 
-    /// One token's scale and codes (`|code|` too), in the weight's column order.
-    fn quantize_token(&self, row: &[f32], codes: &mut [i8], abs: &mut [u8], scale: &mut f32) {
+    /// One token's scale and codes (their unsigned `form` too), in the weight's column order.
+    fn quantize_token(
+        &self,
+        row: &[f32],
+        (codes, unsigned, form): (&mut [i8], &mut [u8], UnsignedForm),
+        scale: &mut f32,
+    ) {
         *scale = token_scale(row);
         if !scale.is_finite() {
             return; // the row's outputs are NaN through the scale
         }
-        for (j, (c, a)) in codes
+        for (j, (c, u)) in codes
             .iter_mut()
-            .zip(abs.iter_mut())
+            .zip(unsigned.iter_mut())
             .take(self.k)
             .enumerate()
         {
@@ -296,7 +310,7 @@ impl CpuInt8Layer {
                 None => row[j],
             };
             *c = quantize(v, *scale);
-            *a = c.unsigned_abs();
+            *u = form.of(*c);
         }
     }
 
@@ -308,22 +322,20 @@ impl CpuInt8Layer {
             return acc;
         }
         let x = Tokens {
-            abs: &tokens.abs,
+            abs: &tokens.unsigned,
             signed: &tokens.codes,
             m,
         };
         let fused = self.fused_rows(m);
-        // The fused kernel's tokens, `x + 128` (`fused.rs`).
-        let biased: Vec<u8> = match fused {
-            Some(_) => tokens.codes.iter().map(|&c| c as u8 ^ 0x80).collect(),
-            None => Vec::new(),
-        };
+        // `quantize` chose the form by the same test.
+        debug_assert_eq!(tokens.form, UnsignedForm::read_by(fused.is_some()));
+        let biased = &tokens.unsigned;
         let group_rows = |g: usize, acc: &mut [i32], buffer: &mut Vec<i8>, group: usize| {
             let (first, rows) = (g * group, acc.len() / m);
             if let Some((rows_of, groups)) = fused {
                 let span = (first, rows);
                 let sums = &self.row_sums;
-                fused::rows_by_tokens(rows_of, span, groups, &biased, (m, kp), sums, acc);
+                fused::rows_by_tokens(rows_of, span, groups, biased, (m, kp), sums, acc);
                 return;
             }
             let w = self.dense_rows(first, rows, buffer);
@@ -429,8 +441,33 @@ fn code_sums(codes: &[u8], stride: usize, used: usize, n: usize) -> Vec<i32> {
 /// Quantized tokens: codes and their magnitudes (`[m, kp]`), scales (`[m]`).
 struct QuantizedTokens {
     codes: Vec<i8>,
-    abs: Vec<u8>,
+    /// The codes as the kernel reads them unsigned (`form`).
+    unsigned: Vec<u8>,
+    form: UnsignedForm,
     scales: Vec<f32>,
+}
+
+/// The unsigned bytes a kernel reads beside the signed codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum UnsignedForm {
+    /// `|x|`: the 256-bit tiles (`dot.rs`).
+    Abs,
+    /// `x + 128`: the fused 6:8 kernel (`fused.rs`).
+    Biased,
+}
+
+impl UnsignedForm {
+    /// The form the fused kernel (`fused`) or the tiles read.
+    fn read_by(fused: bool) -> Self {
+        if fused { Self::Biased } else { Self::Abs }
+    }
+
+    fn of(self, code: i8) -> u8 {
+        match self {
+            Self::Abs => code.unsigned_abs(),
+            Self::Biased => code as u8 ^ 0x80,
+        }
+    }
 }
 
 /// The reference path's per-token scale: `max(absmax, eps) / 127`, NaN for a row holding a
