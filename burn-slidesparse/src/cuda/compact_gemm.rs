@@ -129,8 +129,9 @@ struct Kernel {
     metadata: Function,
 }
 
-// SAFETY: a function handle of a program loaded for the process, immutable after loading;
-// launches use it with the device's context current.
+// SAFETY: function handles of a program loaded for the process and the handle of a context
+// retained for the process, all immutable after loading; launches use them with that context
+// current.
 unsafe impl Send for Kernel {}
 // SAFETY: as above.
 unsafe impl Sync for Kernel {}
