@@ -1542,11 +1542,11 @@ SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0, false)
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1, false)
 // The ranks in a ring of their own (bench-spgemm only, spgemm_ws::CfgCompact<256, true>::SMEM).
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact_ring, 256, 0, true)
-// Their dynamic shared memory, for the host (cuModuleGetGlobal). The braced linkage block keeps
-// this a definition under nvcc too (`extern "C" __constant__ int x = ..;` is an undefined
-// reference in nvcc's host registration code).
+// The dynamic shared memory of the kernel the library launches (spgemm_ws_n256_k128_i32), for
+// the host (cuModuleGetGlobal). The braced linkage block keeps this a definition under nvcc too
+// (`extern "C" __constant__ int x = ..;` is an undefined reference in nvcc's host registration
+// code).
 extern "C" {
-__constant__ int spgemm_ws_compact_smem = spgemm_ws::CfgCompact<256, false>::SMEM;
 __constant__ int spgemm_ws_n256_k128_smem = spgemm_ws::Cfg<256, 128>::SMEM;
 }
 
