@@ -34,6 +34,7 @@
 // `--check-only` skips the timings (part 2 still checks); `--small-only` runs part 1 alone.
 #include <cublasLt.h>
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <omp.h>
 
@@ -75,6 +76,8 @@ static uint16_t bf16_rn(float f) {
     u += 0x7fff + ((u >> 16) & 1);
     return (uint16_t)(u >> 16);
 }
+
+static uint16_t f16_rn(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
 static float median(std::vector<float> v) {
     std::sort(v.begin(), v.end());
@@ -461,8 +464,9 @@ static long compare(const char* what, const T* got, const T* want, int m, int n)
     return bad;
 }
 
-static void expected_bf16(const std::vector<int32_t>& acc, int m, int n, const std::vector<float>& sx, const std::vector<float>& sw,
-                          const std::vector<float>& bias, std::vector<uint16_t>& out) {
+// The 16-bit epilogue's values: bf16 (f16 = false) or f16 rounding of ((acc * sx) * sw) + bias.
+static void expected_16(const std::vector<int32_t>& acc, int m, int n, const std::vector<float>& sx, const std::vector<float>& sw,
+                        const std::vector<float>& bias, bool f16, std::vector<uint16_t>& out) {
     out.resize((size_t)m * n);
 #pragma omp parallel for
     for (long t = 0; t < m; ++t)
@@ -470,7 +474,7 @@ static void expected_bf16(const std::vector<int32_t>& acc, int m, int n, const s
             float y = (float)acc[(size_t)t * n + r] * sx[t];
             y = y * sw[r];
             y = y + bias[r];
-            out[(size_t)t * n + r] = bf16_rn(y);
+            out[(size_t)t * n + r] = f16 ? f16_rn(y) : bf16_rn(y);
         }
 }
 
@@ -490,7 +494,7 @@ struct WsVariant {
     const char* name;
     WsKernel k;
     int bn, bk;
-    bool bf16;
+    int out;  // 0: INT32; 1: bf16, 2: f16 (the epilogue applied)
     int smem;
     int cluster;  // CTAs per cluster sharing the X' tile (1: no cluster)
     bool persistent = false;  // grid min(tiles, SMs), each CTA walking tiles blockIdx.x + i gridDim.x
@@ -498,21 +502,23 @@ struct WsVariant {
     bool jit = false;         // compact: `e` filled from the ranks by spgemm_compact_metadata first (timed with it)
 };
 static const WsVariant kWs[] = {
-    {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1},
-    {"ws n128 k256", spgemm_ws_n128_k256_i32, 128, 256, false, spgemm_ws::Cfg<128, 256>::SMEM, 1},
-    {"ws n256 k128", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1},
-    {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM, 1},
-    {"ws n256 k128 mc2", spgemm_ws_n256_k128_i32_mc2, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 2},
-    {"ws n256 k128 persistent", spgemm_ws_n256_k128_i32_persistent, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
-    {"ws n256 k128 bf16 persistent", spgemm_ws_n256_k128_bf16_persistent, 256, 128, true, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
-    {"ws n128 k128 pingpong", spgemm_ws_n128_k128_i32_pingpong, 128, 128, false, spgemm_ws::Cfg<128, 128>::SMEM, 1, true},
-    {"ws n256 k128 compact", spgemm_ws_n256_k128_i32_compact, 256, 128, false, spgemm_ws::CfgCompact<256, false>::SMEM, 1, false,
+    {"ws n128 k128", spgemm_ws_n128_k128_i32, 128, 128, 0, spgemm_ws::Cfg<128, 128>::SMEM, 1},
+    {"ws n128 k256", spgemm_ws_n128_k256_i32, 128, 256, 0, spgemm_ws::Cfg<128, 256>::SMEM, 1},
+    {"ws n256 k128", spgemm_ws_n256_k128_i32, 256, 128, 0, spgemm_ws::Cfg<256, 128>::SMEM, 1},
+    {"ws n256 k128 bf16", spgemm_ws_n256_k128_bf16, 256, 128, 1, spgemm_ws::Cfg<256, 128>::SMEM, 1},
+    {"ws n256 k128 mc2", spgemm_ws_n256_k128_i32_mc2, 256, 128, 0, spgemm_ws::Cfg<256, 128>::SMEM, 2},
+    {"ws n256 k128 persistent", spgemm_ws_n256_k128_i32_persistent, 256, 128, 0, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
+    {"ws n256 k128 bf16 persistent", spgemm_ws_n256_k128_bf16_persistent, 256, 128, 1, spgemm_ws::Cfg<256, 128>::SMEM, 1, true},
+    {"ws n128 k128 pingpong", spgemm_ws_n128_k128_i32_pingpong, 128, 128, 0, spgemm_ws::Cfg<128, 128>::SMEM, 1, true},
+    {"ws n256 k128 compact", spgemm_ws_n256_k128_i32_compact, 256, 128, 0, spgemm_ws::CfgCompact<256, false>::SMEM, 1, false,
      true},
-    {"ws n256 k128 bf16 compact", spgemm_ws_n256_k128_bf16_compact, 256, 128, true, spgemm_ws::CfgCompact<256, false>::SMEM, 1,
+    {"ws n256 k128 bf16 compact", spgemm_ws_n256_k128_bf16_compact, 256, 128, 1, spgemm_ws::CfgCompact<256, false>::SMEM, 1,
      false, true},
-    {"ws n256 k128 compact ring", spgemm_ws_n256_k128_i32_compact_ring, 256, 128, false, spgemm_ws::CfgCompact<256, true>::SMEM, 1,
+    {"ws n256 k128 compact ring", spgemm_ws_n256_k128_i32_compact_ring, 256, 128, 0, spgemm_ws::CfgCompact<256, true>::SMEM, 1,
      false, true},
-    {"ws n256 k128 compact jit", spgemm_ws_n256_k128_i32, 256, 128, false, spgemm_ws::Cfg<256, 128>::SMEM, 1, false, true, true},
+    {"ws n256 k128 compact jit", spgemm_ws_n256_k128_i32, 256, 128, 0, spgemm_ws::Cfg<256, 128>::SMEM, 1, false, true, true},
+    {"ws n256 k128 compact jit bf16", spgemm_ws_n256_k128_bf16, 256, 128, 1, spgemm_ws::Cfg<256, 128>::SMEM, 1, false, true, true},
+    {"ws n256 k128 compact jit f16", spgemm_ws_n256_k128_f16, 256, 128, 2, spgemm_ws::Cfg<256, 128>::SMEM, 1, false, true, true},
 };
 // The variants the raster-group sweep times: n256 k128 without and with the X' multicast, the
 // persistent one, the pingpong one and the compact ones.
@@ -730,7 +736,7 @@ struct Problem {
         q.sx = (u64)sx;
         q.sw = (u64)sw;
         q.bias = (u64)bias;
-        q.y = (u64)(v.bf16 ? (void*)y16 : (void*)y32);
+        q.y = (u64)(v.out ? (void*)y16 : (void*)y32);
         q.m = m;
         q.n = n;
         q.k = kp;
@@ -768,7 +774,7 @@ struct Problem {
     // Runs ws variant v and compares it with ref (INT32) or its bf16 rounding; returns mismatches.
     // max_grid: as launch_ws (a persistent variant's grid cap; 0: the SM count).
     long check_ws(const WsVariant& v, int group, const char* tag, cudaStream_t s, const std::vector<int32_t>& ref,
-                  const std::vector<uint16_t>& want16, int max_grid = 0) {
+                  const std::vector<uint16_t>& want16, const std::vector<uint16_t>& want_f16, int max_grid = 0) {
         char what[160];
         if (max_grid > 0)
             snprintf(what, sizeof what, "%s %s group %d grid %d", tag, v.name, group, max_grid);
@@ -781,7 +787,7 @@ struct Problem {
         fflush(stderr);
         SpGemmWsParams q = ws_params(v);
         q.group = group;
-        if (v.bf16) {
+        if (v.out) {
             CK(cudaMemset(y16, 0xff, (size_t)m * n * 2));
         } else {
             CK(cudaMemset(y32, 0x7f, (size_t)m * n * 4));
@@ -790,10 +796,10 @@ struct Problem {
         CK(cudaGetLastError());
         wait_or_exit(s, what);
         g_current = nullptr;
-        if (v.bf16) {
+        if (v.out) {
             std::vector<uint16_t> got((size_t)m * n);
             CK(cudaMemcpy(got.data(), y16, got.size() * 2, cudaMemcpyDeviceToHost));
-            return compare(what, got.data(), want16.data(), m, n);
+            return compare(what, got.data(), (v.out == 2 ? want_f16 : want16).data(), m, n);
         }
         std::vector<int32_t> got((size_t)m * n);
         CK(cudaMemcpy(got.data(), y32, got.size() * 4, cudaMemcpyDeviceToHost));
@@ -830,9 +836,10 @@ struct Problem {
             fails += bad != 0;
             cells += bad ? " MISMATCH |" : " exact |";
         }
-        std::vector<uint16_t> got16, want16;
+        std::vector<uint16_t> got16, want16, want_f16;
         run_bf16(s, got16);
-        expected_bf16(ref, m, n, hsx, hsw, hbias, want16);
+        expected_16(ref, m, n, hsx, hsw, hbias, false, want16);
+        expected_16(ref, m, n, hsx, hsw, hbias, true, want_f16);
         snprintf(what, sizeof what, "%s bf16", tag);
         const long bad = compare(what, got16.data(), want16.data(), m, n);
         fails += bad != 0;
@@ -848,8 +855,8 @@ struct Problem {
                 continue;
             }
             long b = 0;
-            for (int g : kCheckGroups) b += check_ws(kWs[i], g, tag, s, ref, want16);
-            if (kWs[i].persistent) b += check_ws(kWs[i], kPersistentOneCtaGroup, tag, s, ref, want16, 1);
+            for (int g : kCheckGroups) b += check_ws(kWs[i], g, tag, s, ref, want16, want_f16);
+            if (kWs[i].persistent) b += check_ws(kWs[i], kPersistentOneCtaGroup, tag, s, ref, want16, want_f16, 1);
             // A timing probe's compact kernels compute wrong results on purpose: timed anyway.
             ws_ok[i] = b == 0 || (SPGEMM_COMPACT_PROBE != 0 && kWs[i].compact);
             fails += b != 0;
@@ -1025,7 +1032,7 @@ int main(int argc, char** argv) {
         {KSTEP, 128, 128, 256, 1},
         {KSTEP, 128, 128, 256, 2},  {KSTEP, 128, 128, 256, 3},  {RAND24, 128, 128, 256, 0}, {RANDSP, 128, 128, 256, 0},
         {RAND01, 256, 256, 2048, 0}, {RAND24, 256, 256, 2048, 0}, {RANDSP, 192, 200, 400, 0}, {SLID68, 128, 64, 264, 0},
-        {SLID68, 384, 300, 1024, 0},
+        {SLID68, 384, 300, 1024, 0}, {SLID68, 100, 77, 512, 0},
     };
     printf("\n| case | N x K' | M | i32 | i32 serial | bf16 |");
     for (int i = 0; i < kWsCount; ++i) printf(" %s |", kWs[i].name);
@@ -1226,7 +1233,7 @@ int main(int argc, char** argv) {
                     if (!pr.ws_ok[i]) continue;
                     const SpGemmWsParams q = pr.ws_params(kWs[i]);
                     t_ws[i] = time_us(s, [&] { launch_ws(kWs[i], q, s); });
-                    if (!kWs[i].bf16 && (t_best == 0 || t_ws[i] < t_best)) t_best = t_ws[i];
+                    if (!kWs[i].out && (t_best == 0 || t_ws[i] < t_best)) t_best = t_ws[i];
                 }
                 for (int vi : kSweepVariants) {
                     if (!pr.ws_ok[vi]) continue;

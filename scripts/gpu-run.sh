@@ -133,10 +133,11 @@ if [ "$what" = spgemm-compact ]; then
     m_args=("$@"); [ ${#m_args[@]} -eq 0 ] && m_args=(--m 4096)
     timeout "${SPGEMM_TIMEOUT_S:-300}" /tmp/bench-spgemm-p$probe "${m_args[@]}" > "$OUT/spgemm-compact-p$probe.md" 2>> "$OUT/spgemm-compact-p$probe.err"
     echo "probe $probe exit code: $? (0: the kernels; 1: no expansion; 2: no expansion, no rank loads)"
-    # shape, M, ws n256 k128, compact, compact bf16, compact ring, compact jit, cuBLASLt dense at K (us)
+    # shape, M, ws n256 k128, compact, compact bf16, compact ring, compact jit (INT32, bf16, f16),
+    # cuBLASLt dense at K (us)
     awk -F'|' -v p=$probe '/^\| llama .*\(/ {
       for (i = 1; i <= NF; i++) { gsub(/^ +| +$/, "", $i) }
-      printf "p%s %s M=%s: ws n256 k128 %s, compact %s, compact bf16 %s, compact ring %s, compact jit %s, cuBLASLt K %s us\n", p, $2, $4, $8, $14, $15, $16, $17, $21 }' \
+      printf "p%s %s M=%s: ws n256 k128 %s, compact %s, compact bf16 %s, compact ring %s, compact jit %s / bf16 %s / f16 %s, cuBLASLt K %s us\n", p, $2, $4, $8, $14, $15, $16, $17, $18, $19, $23 }' \
       "$OUT/spgemm-compact-p$probe.md"
   done
   grep -hE "checks exact|FAILED" "$OUT"/spgemm-compact-p0.md

@@ -1,6 +1,7 @@
 // Hopper (sm_90a) 2:4 structured-sparse INT8 GEMM on `wgmma.mma_async.sp`. With
 // SLIDESPARSE_SPARSE_GEMM=compact the library launches `spgemm_compact_metadata` and then
-// `spgemm_ws_n256_k128_i32` on its output and the compact kept codes (cuda/compact_gemm.rs);
+// `spgemm_ws_n256_k128_{i32,bf16,f16}` on its output and the compact kept codes
+// (cuda/compact_gemm.rs; bf16 / f16 write the layer output, epilogue applied, for 16-bit layers);
 // every kernel is built and checked by scripts/bench-spgemm.cu (`scripts/gpu-run.sh spgemm`). Must be compiled for sm_90a (`-gencode=arch=compute_90a,code=sm_90a`,
 // NVRTC `sm_90a`); elsewhere the kernels trap.
 //
@@ -10,6 +11,7 @@
 //   OUT = 0: y INT32 [M, ldy], y[t, n] = D[n, t]                     (exact)
 //   OUT = 1: y bf16  [M, ldy], y[t, n] = bf16_rn(((f32)D * s_x[t]) * s_w[n] + bias[n])
 //            (f32, one rounding per operation, no FMA: the order decode_gemv.cu uses)
+//   OUT = 2: y f16, as OUT = 1 with f16_rn (the warp-specialized kernels only)
 // y is row-major [M, N_out], the layout burn and the cuSPARSELt path use.
 //
 // Tile configuration (the only one): CTA tile 128 weight rows x 128 tokens x 256 K' per stage;
@@ -763,6 +765,98 @@ __device__ __forceinline__ void consume(u32 base, u32 bars, int kt, int cw, int 
     for (int i = 0; i < C::ACC; ++i) spgemm::fence_reg(acc[i]);
     if (kt > 0) release<C, CL>(bars, kt - 1, t128);
 }
+
+// The 16-bit epilogue (OUT = 1 bf16, OUT = 2 f16) of a non-persistent CTA: the consumers' tile
+// y[m0 .. m0 + BN, n0 .. n0 + 128] written through shared memory, so that global stores are
+// whole 16-byte pieces of output rows instead of one 2-byte value per accumulator (a thread's
+// accumulators are 2 weight rows x 2 * BN / 8 tokens: consecutive values of a y row live in
+// consecutive lanes). Called once every wgmma of the CTA has retired and the ring holds nothing
+// in flight (every stage the producer loaded was waited for), so the ring is free:
+//   [0, BN * 256)             the tile, [BN tokens][128 rows] 16-bit, row-major; the 16-byte
+//                             piece c (rows 8c .. 8c + 7) of token t at piece c ^ (t & 7)
+//                             (8 tokens of one piece column fall on 8 bank groups)
+//   [BN * 256, + BN * 4)      the tile's token scales
+// Each value is bf16_rn / f16_rn(((f32)acc * s_x[t]) * s_w[n] + bias[n]) (f32, one rounding per
+// operation, no FMA), as store_out and decode_gemv.cu. `stmatrix ... .trans` (PTX ISA, "stmatrix")
+// stores 8 x 8 16-bit fragments transposed: lane l holds row l / 4, columns 2 (l % 4) and + 1 of
+// each, which is the accumulator layout [CUTE-C] of 8 weight rows x 8 tokens, so each token
+// lands as a 16-byte row of 8 weight rows.
+template <class C, int OUT>
+__device__ __forceinline__ void store_tile_16(const SpGemmWsParams& p, u32 base, int m0, int nt, int cw, int t128,
+                                              const int (&acc)[C::ACC]) {
+    static_assert(OUT == 1 || OUT == 2, "16-bit outputs only");
+    constexpr int BN = C::BN;
+    static_assert(BN <= 256 && BN * 256 + BN * 4 <= C::STAGES * C::STAGE, "the staged tile fits the ring");
+    const int warp = t128 >> 5, lane = t128 & 31, ct = cw * 128 + t128;
+    const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
+    // Loaded before the barrier, which hides their latency.
+    const float* sw = (const float*)p.sw;
+    const float* bias = (const float*)p.bias;
+    const bool has_bias = p.bias != 0;
+    float w[2], b[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = min(nrow + 8 * h, p.n - 1);
+        w[h] = sw[n];
+        b[h] = has_bias ? bias[n] : 0.f;
+    }
+    // One token scale per consumer thread (BN <= 256).
+    const float sx = (ct < BN && m0 + ct < p.m) ? ((const float*)p.sx)[m0 + ct] : 0.f;
+    const u32 ssx = base + BN * 256;
+    // Both consumer warpgroups are done with the ring (the other one's last wgmmas may still
+    // have been reading it).
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    if (ct < BN) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ssx + 4 * ct), "f"(sx) : "memory");
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+
+    // Lane l addresses row l % 8 of matrix l / 8 of each stmatrix.x4: matrices (j, rows 0-7),
+    // (j, rows 8-15), (j + 1, rows 0-7), (j + 1, rows 8-15) of the warp's 16 rows.
+    const int q = lane >> 3, i8 = lane & 7;
+    const int piece = cw * 8 + warp * 2 + (q & 1);
+    const u32 row_addr = base + (u32)(8 * (q >> 1) + i8) * 256 + (u32)((piece ^ i8) << 4);
+    auto y16 = [&](int a, float s, int h) {
+        float y = __fmul_rn(__fmul_rn((float)a, s), w[h]);
+        return has_bias ? __fadd_rn(y, b[h]) : y;
+    };
+#pragma unroll
+    for (int j = 0; j < BN / 8; j += 2) {
+        u32 r[4];
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const int t = 8 * (j + jj) + 2 * (lane & 3);
+            float s0, s1;
+            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(s0), "=f"(s1) : "r"(ssx + 4 * t));
+            const int* a = &acc[4 * (j + jj)];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                r[2 * jj + h] = pack2<OUT == 1>(y16(a[2 * h], s0, h), y16(a[2 * h + 1], s1, h));
+        }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr + j * 8 * 256),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+    }
+    // The warpgroup's 64 rows (pieces 8 cw .. 8 cw + 7) of every token, written by its 4 warps.
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    const int pc = cw * 8 + (t128 & 7), col = nt * 128 + pc * 8;
+    // 16-byte stores need the row stride and base 16-byte aligned; else (or at the last rows)
+    // one value at a time.
+    const bool vec = (p.ldy & 7) == 0 && (p.y & 15) == 0 && col + 8 <= p.n;
+#pragma unroll 4
+    for (int t = t128 >> 3; t < BN; t += 16) {
+        if (m0 + t >= p.m) break;
+        u32 v[4];
+        spgemm::lds128(base + (u32)t * 256 + (u32)((pc ^ (t & 7)) << 4), v);
+        u16* y = (u16*)p.y + (size_t)(m0 + t) * p.ldy + col;
+        if (vec) {
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(y), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                         : "memory");
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (col + e < p.n) y[e] = (u16)(v[e >> 1] >> (16 * (e & 1)));
+        }
+    }
+}
 #endif  // SPGEMM_HAS_WGMMA
 
 // The consumer warpgroups of `run` and `run_compact`: every K' tile of this CTA's tile, then the
@@ -793,25 +887,27 @@ __device__ __forceinline__ void consumer_main(const SpGemmWsParams& p, u32 base,
     }
     if (p.m < 0) ((u32*)p.y)[tid] = sink;  // never: makes the metadata registers' uses real
 
-    // Epilogue from the accumulators, as spgemm::run's [CUTE-C].
-    const int warp = (tid >> 5) & 3, lane = tid & 31;
     int m0, nt;
     tile_of<C::BN, CL>(p, m0, nt);
-    const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
-    const int tcol = m0 + 2 * (lane & 3);
-    SpGemmParams q{};
-    q.sx = p.sx;
-    q.sw = p.sw;
-    q.bias = p.bias;
-    q.y = p.y;
-    q.ldy = p.ldy;
+    if constexpr (OUT != 0) {
+        // A cluster's peer may still be multicasting into this CTA's ring: 16-bit outputs are
+        // staged there, so they are for CTAs of their own.
+        static_assert(CL == 1, "16-bit outputs without a cluster");
+        store_tile_16<C, OUT>(p, base, m0, nt, cw, t128, acc);
+    } else {
+        // INT32 from the accumulators, as spgemm::run's [CUTE-C].
+        const int warp = (tid >> 5) & 3, lane = tid & 31;
+        const int nrow = nt * 128 + cw * 64 + warp * 16 + (lane >> 2);
+        const int tcol = m0 + 2 * (lane & 3);
+        int* y = (int*)p.y;
 #pragma unroll
-    for (int j = 0; j < C::BN / 8; ++j)
+        for (int j = 0; j < C::BN / 8; ++j)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
-            if (n < p.n && tok < p.m) spgemm::store_out<OUT>(q, tok, n, acc[4 * j + v]);
-        }
+            for (int v = 0; v < 4; ++v) {
+                const int n = nrow + 8 * (v >> 1), tok = tcol + 8 * j + (v & 1);
+                if (n < p.n && tok < p.m) y[(size_t)tok * p.ldy + n] = acc[4 * j + v];
+            }
+    }
     // The last stage too: a cluster's producers wait for every stage's release before exiting.
     // (Released here, after the stores: released right after the last wgmma wait, ptxas serializes
     // the main loop's wgmma, C7515.)
@@ -1507,6 +1603,7 @@ SPGEMM_WS_KERNEL(spgemm_ws_n128_k128_i32, 128, 128, 0, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n128_k256_i32, 128, 256, 0, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32, 256, 128, 0, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_bf16, 256, 128, 1, 1)
+SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_f16, 256, 128, 2, 1)
 SPGEMM_WS_KERNEL(spgemm_ws_n256_k128_i32_mc2, 256, 128, 0, 2)
 
 // grid min(ceil(m / BN) * n_tiles, SMs) (1-D, no cluster), SPGEMM_WS_THREADS threads,
@@ -1542,7 +1639,7 @@ SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact, 256, 0, false)
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_bf16_compact, 256, 1, false)
 // The ranks in a ring of their own (bench-spgemm only, spgemm_ws::CfgCompact<256, true>::SMEM).
 SPGEMM_WS_COMPACT_KERNEL(spgemm_ws_n256_k128_i32_compact_ring, 256, 0, true)
-// The dynamic shared memory of the kernel the library launches (spgemm_ws_n256_k128_i32), for
+// The dynamic shared memory of the kernels the library launches (spgemm_ws_n256_k128_{i32,bf16,f16}), for
 // the host (cuModuleGetGlobal). The braced linkage block keeps this a definition under nvcc too
 // (`extern "C" __constant__ int x = ..;` is an undefined reference in nvcc's host registration
 // code).
@@ -1551,7 +1648,7 @@ __constant__ int spgemm_ws_n256_k128_smem = spgemm_ws::Cfg<256, 128>::SMEM;
 }
 
 // grid (k_tiles, n_tiles), 128 threads, no dynamic shared memory: fills `e` for
-// spgemm_ws_n256_k128_{i32,bf16} over the compact kept codes (the library's compact path for
+// spgemm_ws_n256_k128_{i32,bf16,f16} over the compact kept codes (the library's compact path for
 // forwards past one token tile, cuda/compact_gemm.rs).
 extern "C" __global__ void __launch_bounds__(128) spgemm_compact_metadata(const __grid_constant__ SpMetaParams p) {
     spgemm_ws::compact_metadata(p);
@@ -1602,3 +1699,8 @@ extern "C" __global__ void __launch_bounds__(128) spgemm_compact_metadata(const 
 // 363.8), at M = 256 faster than the in-stage compact kernel on every shape (qkv 34.2 / 51.2,
 // o 31.6 / 50.7, gate_up 95.9 / 102.0, down 85.2 / 159.4): a weight tile's words are built once,
 // by a grid that fills the GPU, instead of once per output tile on warps nothing hides.
+// The 16-bit epilogue staged through shared memory (store_tile_16, `ws n256 k128 bf16` and
+// `compact jit bf16 / f16` in bench-spgemm): exact on every case, the N = 100 6:8 case (per-value
+// stores) included; at M = 4096 0.91-1.01x the INT32 kernel's time (H100, 2026-12-07: compact jit
+// qkv 168.2 / 182.5 us, o 114.9 / 125.5, gate_up 767.0 / 805.5, down 347.0 / 349.9), where one
+// 2-byte store per accumulator took 1.12-1.40x (docs/results/spgemm-epilogue-h100-2026-12-07.md).
