@@ -953,7 +953,11 @@ fn epilogue_kernel_matches_host() {
                     client.create_from_slice(&f32b(&sw)),
                     client.create_from_slice(&f32b(&b)),
                 );
-                let accumulator = Accumulator { ty, channel_scaled };
+                let accumulator = Accumulator {
+                    ty,
+                    channel_scaled,
+                    finished: false,
+                };
                 let expected: Vec<f32> = (0..m * n)
                     .map(|i| {
                         let (r, c) = (i / n, i % n);

@@ -54,9 +54,14 @@ fn layer(packed: &PackedLinear, choice: SparseGemmChoice) -> CudaPrepared {
 }
 
 fn forward(layer: &CudaPrepared, x: &[f32], (m, k): (usize, usize)) -> Vec<f32> {
+    forward_as(layer, x, (m, k), DType::F32)
+}
+
+/// The layer's output for `x` as a `dtype` tensor, read back as f32.
+fn forward_as(layer: &CudaPrepared, x: &[f32], (m, k): (usize, usize), dtype: DType) -> Vec<f32> {
     let xg = Tensor::<Gpu, 2>::from_data(
         TensorData::new(x.to_vec(), [m, k]),
-        (&Default::default(), DType::F32),
+        (&Default::default(), dtype),
     );
     let y = layer.forward(&xg.into_primitive().tensor()).unwrap();
     Tensor::<Gpu, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(y))
@@ -133,6 +138,79 @@ fn compact_gemm_is_bit_identical_to_cusparselt_for_every_pattern() {
             println!(
                 "{pattern} k={k} n={n}: bit-identical to cuSPARSELt's layer, within 1e-3 of W8A8"
             );
+        }
+    }
+}
+
+/// `v` rounded to nearest even in `dtype` (bf16 or f16), as f32.
+fn round_to(v: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        DType::F16 => half::f16::from_f32(v).to_f32(),
+        _ => unreachable!("16-bit types only"),
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA Hopper GPU"]
+fn compact_gemm_applies_the_epilogue_itself_for_16_bit_outputs() {
+    if !hopper() {
+        return;
+    }
+    // A bf16 / f16 forward of the compact layer runs the GEMM with its own epilogue (scales,
+    // bias, rounding in the kernel, no INT32 array); an f32 forward of the same values runs
+    // the INT32 GEMM and the pipeline's epilogue kernel. The quantization sees the same f32
+    // values either way, so both sum the same exact INT32 products: each 16-bit output must be
+    // the f32 output rounded once, except where the two epilogues' f32 arithmetic (the f32
+    // one may fuse the multiply-add) straddles a rounding boundary of the 16-bit type.
+    let mut rng = rng(302);
+    for pattern in [
+        SparsityPattern::P6_8,
+        SparsityPattern::P2_4,
+        "14:16".parse().unwrap(),
+    ] {
+        // n = 100: rows not a whole number of 16-byte pieces (the kernel's per-value stores);
+        // 384: three row tiles of whole pieces.
+        for (k, n) in [(1000, 100), (4096, 384)] {
+            let w = random_f32(&mut rng, n * k);
+            let b = random_f32(&mut rng, n);
+            let options = PackOptions::new(pattern, Precision::Int8);
+            let (packed, _, _) = pack_linear("w", &w, n, k, Some(&b), &options).unwrap();
+            let ours = layer(&packed, SparseGemmChoice::Compact);
+            for dtype in [DType::BF16, DType::F16] {
+                // 17: past the GEMV; 256 and 300: one token tile and a partial second.
+                for m in [17, 256, 300] {
+                    let x: Vec<f32> = random_f32(&mut rng, m * k)
+                        .into_iter()
+                        .map(|v| round_to(v, dtype))
+                        .collect();
+                    let exact = forward(&ours, &x, (m, k));
+                    let got = forward_as(&ours, &x, (m, k), dtype);
+                    let mut near_ties = 0;
+                    for (i, (&g, &e)) in got.iter().zip(&exact).enumerate() {
+                        if g.to_bits() == round_to(e, dtype).to_bits() {
+                            continue;
+                        }
+                        // Each epilogue rounds the product `acc * s_x * s_w` and the sum with
+                        // the bias at most once more than the other: a few f32 ulps of the
+                        // larger of the two.
+                        let slack = 4.0 * f32::EPSILON * (e.abs() + b[i % n].abs());
+                        let (lo, hi) = (round_to(e - slack, dtype), round_to(e + slack, dtype));
+                        assert!(
+                            g == lo || g == hi,
+                            "{pattern} {dtype:?} m={m} k={k} n={n}: element {i}: {g} against \
+                             {e} (f32 path)"
+                        );
+                        near_ties += 1;
+                    }
+                    assert!(
+                        near_ties * 1000 <= got.len(),
+                        "{pattern} {dtype:?} m={m}: {near_ties} of {} differ",
+                        got.len()
+                    );
+                }
+            }
+            println!("{pattern} k={k} n={n}: bf16 and f16 outputs the f32 path's, rounded once");
         }
     }
 }

@@ -8,6 +8,10 @@
 //! alpha vector, which exists for INT8 only) before rounding, so the rounding to 16 bits
 //! happens on the scaled value. cuBLASLt has no INT8 -> 16-bit GEMM: the dense INT8
 //! baseline always writes INT32.
+//!
+//! A GEMM with the epilogue in its own kernel (our Hopper sparse GEMM, 16-bit outputs) writes
+//! the layer's output itself: the accumulator is then [`finished`](Accumulator::finished), and no
+//! epilogue kernel runs.
 
 use burn::tensor::DType;
 
@@ -40,11 +44,14 @@ impl AccType {
     }
 }
 
-/// A GEMM output type plus whether it already holds `acc * s_w`.
+/// A GEMM output type plus whether it already holds `acc * s_w`, or the finished output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Accumulator {
     pub ty: AccType,
     pub channel_scaled: bool,
+    /// The GEMM writes the layer output `Y [m, n] = acc * s_x * s_w + b` itself (rows of `n`,
+    /// not `n_pad`): no epilogue kernel runs.
+    pub finished: bool,
 }
 
 impl Accumulator {
@@ -52,7 +59,18 @@ impl Accumulator {
         Self {
             ty,
             channel_scaled: false,
+            finished: false,
         }
+    }
+
+    /// The layer output of dtype `out` written by a GEMM that applies the epilogue itself,
+    /// where `out` is a 16-bit type; `None` for f32 outputs.
+    pub fn finished(out: DType) -> Option<Self> {
+        AccType::half_of(out).map(|ty| Self {
+            ty,
+            channel_scaled: true,
+            finished: true,
+        })
     }
 
     /// What the cuSPARSELt GEMM of a `precision` layer with float output `out` writes.
@@ -61,6 +79,7 @@ impl Accumulator {
             (Precision::Int8, Some(half)) => Self {
                 ty: half,
                 channel_scaled: true,
+                finished: false,
             },
             (Precision::Fp8, Some(half)) => Self::plain(half),
             _ => Self::dense(precision, out),
@@ -105,6 +124,7 @@ mod tests {
             Accumulator::dense(Precision::Int8, DType::BF16).ty,
             AccType::I32
         );
+        assert!(!int8_bf16.finished);
         let fp8_f16 = Accumulator::sparse(Precision::Fp8, DType::F16);
         assert_eq!(fp8_f16, Accumulator::plain(AccType::F16));
         assert_eq!(Accumulator::dense(Precision::Fp8, DType::F16), fp8_f16);
@@ -112,5 +132,13 @@ mod tests {
             Accumulator::sparse(Precision::Bf16, DType::F32).ty,
             AccType::Bf16
         );
+    }
+
+    #[test]
+    fn finished_outputs_are_16_bit_only() {
+        let bf16 = Accumulator::finished(DType::BF16).unwrap();
+        assert_eq!((bf16.ty, bf16.finished), (AccType::Bf16, true));
+        assert_eq!(Accumulator::finished(DType::F16).unwrap().ty, AccType::F16);
+        assert_eq!(Accumulator::finished(DType::F32), None);
     }
 }

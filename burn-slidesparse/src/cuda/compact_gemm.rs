@@ -12,14 +12,18 @@
 //!
 //! Hopper only (`wgmma.mma_async.sp`, compiled for `sm_90a`), patterns 2:4 .. 14:16.
 //!
-//! `acc [m, n_pad] = X' . W'^T` in INT32, exact, for the pipeline's epilogue; the activations
-//! `X' [m_pad, k_out]` are the lift's, as for cuSPARSELt.
+//! It writes either `acc [m, n_pad] = X' . W'^T` in INT32, exact, for the pipeline's epilogue
+//! (f32 layers), or, for 16-bit layers, the layer output `Y [m, n] = acc * s_x * s_w + b` in
+//! bf16 / f16 itself (the epilogue in the GEMM's kernel, staged through shared memory: no
+//! INT32 array written and read back, no epilogue kernel). The activations `X' [m_pad, k_out]`
+//! are the lift's, as for cuSPARSELt.
 
 use std::{ffi::c_void, sync::Arc};
 
 use cudarc::driver::{result as cu, sys};
 
 use super::{
+    accumulator::AccType,
     buffers::HeldBuffer,
     driver::{Context, cuda_device, driver_err},
     nvrtc_module::{LoadedProgram, Program},
@@ -123,8 +127,11 @@ struct Kernel {
     /// The device's primary context: encoding the activations' tensor map needs it current,
     /// and a forward's GEMM may be queued from cubecl's device thread.
     context: Context,
-    /// `spgemm_ws_n256_k128_i32`: the GEMM, its metadata from an array.
-    gemm: Function,
+    /// `spgemm_ws_n256_k128_{i32,bf16,f16}`: the GEMM, its metadata from an array, writing
+    /// INT32 accumulators or the finished 16-bit output.
+    gemm_i32: Function,
+    gemm_bf16: Function,
+    gemm_f16: Function,
     /// `spgemm_compact_metadata`: that array from the ranks.
     metadata: Function,
 }
@@ -135,6 +142,19 @@ struct Kernel {
 unsafe impl Send for Kernel {}
 // SAFETY: as above.
 unsafe impl Sync for Kernel {}
+
+/// The kernel file's constant: the dynamic shared memory of the three `spgemm_ws_n256_k128_*`.
+const SMEM_GLOBAL: &str = "spgemm_ws_n256_k128_smem";
+
+/// What a forward's GEMM writes.
+#[derive(Clone, Copy, Debug)]
+pub enum CompactOutput {
+    /// `acc [m, acc_stride]` INT32.
+    Acc(u64),
+    /// The layer output `y [m, n]` of 16-bit type `ty` (`Bf16` or `F16`), epilogue applied
+    /// with the token scales `sx [m]` (f32) and the weight's own scales and bias.
+    Finished { y: u64, ty: AccType, sx: u64 },
+}
 
 fn kernel(index: usize) -> Result<Arc<Kernel>> {
     static KERNELS: PerDevice<Kernel> = PerDevice::new();
@@ -152,7 +172,9 @@ fn kernel(index: usize) -> Result<Arc<Kernel>> {
         };
         Ok(Kernel {
             context: Context::retain(cuda_device(index)?)?,
-            gemm: load("spgemm_ws_n256_k128_i32", Some("spgemm_ws_n256_k128_smem"))?,
+            gemm_i32: load("spgemm_ws_n256_k128_i32", Some(SMEM_GLOBAL))?,
+            gemm_bf16: load("spgemm_ws_n256_k128_bf16", Some(SMEM_GLOBAL))?,
+            gemm_f16: load("spgemm_ws_n256_k128_f16", Some(SMEM_GLOBAL))?,
             metadata: load("spgemm_compact_metadata", None)?,
         })
     })
@@ -221,6 +243,9 @@ fn unsupported(pattern: SparsityPattern) -> SlideSparseError {
 pub struct CompactGemm {
     kept: HeldBuffer,
     ranks: HeldBuffer,
+    /// The layer's per-channel scales `[n]` and bias (f32), read by the finished output's
+    /// epilogue.
+    _epilogue: (HeldBuffer, Option<HeldBuffer>),
     /// The device it lives on.
     index: usize,
     /// Output features.
@@ -243,12 +268,14 @@ pub struct CompactGemm {
 impl CompactGemm {
     /// Uploads `codes` as compact rows on device `index` and encodes the weight's tensor maps;
     /// its forwards read lifted codes of `x_stride` bytes per token and write accumulator rows
-    /// of `acc_stride` INT32. Errors: a pattern past 14:16, a driver refusing a map.
+    /// of `acc_stride` INT32, or finished outputs with the layer's `scale` `[n]` and `bias`
+    /// (f32, held here). Errors: a pattern past 14:16, a driver refusing a map.
     pub fn new(
         client: &Client,
         index: usize,
         codes: &CompactCodes<i8>,
         (x_stride, acc_stride): (usize, usize),
+        (scale, bias): (HeldBuffer, Option<HeldBuffer>),
     ) -> Result<Self> {
         let table = rank_table(codes.pattern)?;
         // Encoding the weight's tensor maps needs the context current; burn may prepare a
@@ -277,8 +304,8 @@ impl CompactGemm {
             tb: TensorMap::default(),
             e: 0,
             sx: 0,
-            sw: 0,
-            bias: 0,
+            sw: scale.ptr,
+            bias: bias.as_ref().map_or(0, |b| b.ptr),
             y: 0,
             m: 0,
             n: int("rows", n)?,
@@ -307,6 +334,7 @@ impl CompactGemm {
         Ok(Self {
             kept,
             ranks,
+            _epilogue: (scale, bias),
             index,
             n,
             k_slide,
@@ -329,20 +357,21 @@ impl CompactGemm {
         self.n.div_ceil(TILE_ROWS) * self.k_slide.div_ceil(TILE_K) * META_TILE_BYTES
     }
 
-    /// Enqueues `acc [m, acc_stride] = X' . W'^T` (INT32) on `stream`: `x` the lifted codes of
-    /// `m` tokens (`x_stride` bytes each); `scratch` [`scratch_bytes`](Self::scratch_bytes)
+    /// Enqueues the product of `x`, the lifted codes of `m` tokens (`x_stride` bytes each), and
+    /// the weight on `stream`, writing `out`; `scratch` [`scratch_bytes`](Self::scratch_bytes)
     /// bytes for the metadata words.
     ///
     /// # Safety
-    /// `stream` is a live stream of the device's context, current on this thread; `x` and
-    /// `acc` are live device memory of `m` rows of `x_stride` bytes and `acc_stride` INT32;
-    /// `scratch` is live device memory of `scratch_bytes()` bytes that nothing else uses
-    /// until the GEMM is done (stream order).
+    /// `stream` is a live stream of the device's context, current on this thread; `x` is live
+    /// device memory of `m` rows of `x_stride` bytes; `out`'s buffers are live device memory of
+    /// `m` rows (`acc_stride` INT32, or `n` 16-bit values and `m` f32 token scales); `scratch`
+    /// is live device memory of `scratch_bytes()` bytes that nothing else uses until the GEMM
+    /// is done (stream order).
     pub unsafe fn enqueue(
         &self,
         stream: sys::CUstream,
         m: usize,
-        (x, acc): (u64, u64),
+        (x, out): (u64, CompactOutput),
         scratch: u64,
     ) -> Result<()> {
         let kernel = kernel(self.index)?;
@@ -353,23 +382,39 @@ impl CompactGemm {
             (128, TILE_TOKENS as u32),
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         )?;
+        let (gemm, y, ldy, sx) = match out {
+            CompactOutput::Acc(acc) => (&kernel.gemm_i32, acc, self.acc_stride, 0),
+            CompactOutput::Finished { y, ty, sx } => {
+                let gemm = match ty {
+                    AccType::Bf16 => &kernel.gemm_bf16,
+                    AccType::F16 => &kernel.gemm_f16,
+                    AccType::I32 | AccType::F32 => {
+                        return Err(SlideSparseError::Unsupported {
+                            what: "the compact sparse GEMM's own epilogue".into(),
+                            why: format!("{ty:?} outputs (it writes bf16 or f16)"),
+                        });
+                    }
+                };
+                (gemm, y, self.n, sx)
+            }
+        };
         let mut params = SpGemmParams {
             tb,
             m: m as i32,
-            ldy: self.acc_stride as i32,
-            y: acc,
+            ldy: ldy as i32,
+            y,
+            sx,
+            e: scratch,
             ..self.base
         };
-        params.e = scratch;
         // SAFETY: as this function's: `scratch` holds `scratch_bytes()` bytes.
         unsafe { self.enqueue_metadata(&kernel.metadata, stream, scratch)? };
-        let gemm = &kernel.gemm;
         let tiles = m.div_ceil(TILE_TOKENS) * self.n.div_ceil(TILE_ROWS);
         let mut args = [&mut params as *mut SpGemmParams as *mut c_void];
         // SAFETY: the kernel takes one parameter block by value, `SpGemmParams` (the layout
-        // the kernel file asserts); the weight's maps cover buffers this value holds, `e` the
-        // words the metadata kernel wrote before it on the stream; the caller's contract
-        // covers `x`, `acc` and the stream.
+        // the kernel file asserts); the weight's maps, scales and bias cover buffers this
+        // value holds, `e` the words the metadata kernel wrote before it on the stream; the
+        // caller's contract covers `x`, `out` and the stream.
         unsafe {
             cu::launch_kernel(
                 gemm.function,

@@ -12,7 +12,7 @@ use cudarc::driver::sys;
 use super::{
     accumulator::Accumulator,
     buffers::{ForwardBuffer, HeldBuffer},
-    compact_gemm::CompactGemm,
+    compact_gemm::{CompactGemm, CompactOutput},
     config::Settings,
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt::{GemmPointers, GemmShape, sys::Stream},
@@ -28,10 +28,13 @@ use crate::{error::Result, weight_quant::Precision};
 pub struct GemmBuffers<'a> {
     /// The quantized (and lifted) activations `[m_pad, k_out]`.
     pub codes: &'a ForwardBuffer,
-    /// The accumulator `[m_pad, n_pad]`.
+    /// The accumulator `[m_pad, n_pad]`, or the layer output `[rows, n]` where the GEMM's
+    /// accumulator is [`finished`](Accumulator::finished).
     pub acc: &'a ForwardBuffer,
     /// The per-token scales `[m_pad]`, NaN-filled if a queued replay fails.
     pub token_scales: &'a ForwardBuffer,
+    /// The forward's tokens (`m <= m_pad`): the rows of a finished output.
+    pub rows: usize,
 }
 
 /// A layer's GEMM: its weights on the device and how to multiply activations by them.
@@ -140,8 +143,10 @@ impl LayerGemm for SparseGemm {
     fn accumulator(&self, precision: Precision, out: DType) -> Accumulator {
         match self {
             Self::Lt(_) => Accumulator::sparse(precision, out),
-            // Exact INT32 for the pipeline's epilogue.
-            Self::Compact(_) => Accumulator::dense(Precision::Int8, out),
+            // 16-bit outputs with the epilogue in the GEMM's kernel; exact INT32 for the
+            // pipeline's epilogue of f32 outputs.
+            Self::Compact(_) => Accumulator::finished(out)
+                .unwrap_or_else(|| Accumulator::dense(Precision::Int8, out)),
         }
     }
 
@@ -155,18 +160,19 @@ impl LayerGemm for SparseGemm {
     ) -> Result<()> {
         match self {
             Self::Lt(weight) => weight.run(client, state, m_pad, accumulator, buffers),
-            Self::Compact(gemm) => run_compact(gemm, client, state, m_pad, buffers),
+            Self::Compact(gemm) => run_compact(gemm, client, state, (m_pad, accumulator), buffers),
         }
     }
 }
 
-/// `acc [m_pad, n_pad] = X' . W'^T` (INT32) by our compact kernel, on the lane as the
-/// library calls run (replayed as a graph where the buffers are kept).
+/// `acc [m_pad, n_pad] = X' . W'^T` (INT32), or the finished output `[rows, n]`, by our
+/// compact kernel, on the lane as the library calls run (replayed as a graph where the
+/// buffers are kept: a finished output is the forward's fresh tensor, so those run directly).
 fn run_compact(
     gemm: &CompactGemm,
     client: &Client,
     state: &mut DeviceState,
-    m_pad: usize,
+    (m_pad, accumulator): (usize, Accumulator),
     buffers: GemmBuffers<'_>,
 ) -> Result<()> {
     let settings = state.settings();
@@ -187,10 +193,18 @@ fn run_compact(
             buffers.codes.pointer(client)?,
             buffers.acc.pointer(client)?,
         );
-        // SAFETY: `codes` holds `m_pad` rows of the lift's `k_out` bytes and `acc` `m_pad`
-        // rows of `n_pad` INT32 (`forward_buffers`), the workspace `scratch_bytes()`; burn's
-        // stream stays behind the GEMM.
-        unsafe { gemm.enqueue(stream, m_pad, (p_x, p_acc), p_scratch) }
+        let (rows, out) = if accumulator.finished {
+            let sx = buffers.token_scales.pointer(client)?;
+            let ty = accumulator.ty;
+            (buffers.rows, CompactOutput::Finished { y: p_acc, ty, sx })
+        } else {
+            (m_pad, CompactOutput::Acc(p_acc))
+        };
+        // SAFETY: `codes` holds `m_pad` rows of the lift's `k_out` bytes, `acc` `m_pad` rows
+        // of `n_pad` INT32 or, finished, `rows` rows of `n` 16-bit values, `token_scales`
+        // `m_pad` f32 (`GpuLayer::forward`), the workspace `scratch_bytes()`; burn's stream
+        // stays behind the GEMM.
+        unsafe { gemm.enqueue(stream, rows, (p_x, out), p_scratch) }
     })
 }
 

@@ -5,7 +5,9 @@
 //! 1. CubeCL quant(+lift) kernel: codes `[M_pad, K_out]` (`K'` lifted, or `K` padded for the
 //!    dense baseline) and per-token scales `s_x [M_pad]`;
 //! 2. the layer's [`LayerGemm`]: `acc [M_pad, N_pad] = codes . W^T`;
-//! 3. CubeCL epilogue: `Y [M, N] = acc * s_x * s_w + b` in `X`'s float dtype.
+//! 3. CubeCL epilogue: `Y [M, N] = acc * s_x * s_w + b` in `X`'s float dtype; none where the
+//!    GEMM applies it in its own kernel and writes `Y` itself (our compact Hopper GEMM, 16-bit
+//!    outputs: the accumulator is `finished`).
 //!
 //! A forward of up to 16 tokens of a layer with a GEMV (`gemv.rs`: INT8 dense or 6:8) runs
 //! the quantization (no lift) and the GEMV, whose epilogue is fused: two launches instead of
@@ -22,7 +24,7 @@ use cubecl::server::Handle;
 
 use super::{
     accumulator::Accumulator,
-    buffers::ForwardScratch,
+    buffers::{ForwardBuffer, ForwardScratch},
     config::config,
     gemm::{GemmBuffers, LayerGemm},
     gemv::{Gemv, GemvParams, MAX_TOKENS},
@@ -149,28 +151,36 @@ impl<G: LayerGemm> GpuLayer<G> {
             precision,
             dtype,
         )?;
+        // A finished accumulator is the output itself.
+        let finished = ForwardBuffer {
+            handle: out.clone(),
+            kept_ptr: None,
+        };
         {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
             let buffers = GemmBuffers {
                 codes: &codes,
-                acc: &acc,
+                acc: if accumulator.finished { &finished } else { &acc },
                 token_scales: &token_scales,
+                rows: m,
             };
             self.gemm
                 .run(&client, &mut state, m_pad, accumulator, buffers)?;
         }
-        launch_epilogue(
-            &client,
-            &acc.handle,
-            &token_scales.handle,
-            &self.scale,
-            self.bias.as_ref(),
-            &out,
-            (m, m_pad, self.n, self.n_pad),
-            accumulator,
-            dtype,
-        )?;
+        if !accumulator.finished {
+            launch_epilogue(
+                &client,
+                &acc.handle,
+                &token_scales.handle,
+                &self.scale,
+                self.bias.as_ref(),
+                &out,
+                (m, m_pad, self.n, self.n_pad),
+                accumulator,
+                dtype,
+            )?;
+        }
         Ok(CubeTensor::new_contiguous(
             client,
             x.device.clone(),
@@ -233,8 +243,9 @@ impl<G: LayerGemm> GpuLayer<G> {
     }
 
     /// The buffers of one forward of `m` tokens (`m_pad` rows): the intermediate ones
-    /// (`[codes, token scales, accumulator]`, kept by this thread's lane at decode sizes)
-    /// and a fresh `[m, n]` output of `dtype`, once their total is known to fit.
+    /// (`[codes, token scales, accumulator]`, kept by this thread's lane at decode sizes; no
+    /// accumulator bytes where it is the output, [`finished`](Accumulator::finished)) and a
+    /// fresh `[m, n]` output of `dtype`, once their total is known to fit.
     pub fn forward_buffers(
         &self,
         client: &Client,
@@ -245,7 +256,11 @@ impl<G: LayerGemm> GpuLayer<G> {
         let scratch_sizes = [
             m_pad * self.quant.k_out * self.precision.element_bytes(),
             m_pad * 4,
-            m_pad * self.n_pad * accumulator.bytes(),
+            if accumulator.finished {
+                0
+            } else {
+                m_pad * self.n_pad * accumulator.bytes()
+            },
         ];
         let out_bytes = m * self.n * dtype.size();
         self.scratch(client, m, scratch_sizes, out_bytes, "forward")

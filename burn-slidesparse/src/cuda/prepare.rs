@@ -166,6 +166,16 @@ impl GpuLayer<SparseGemm> {
             lift_n: geometry.n,
         };
         let (scale, bias) = scale_and_bias(client, scales, bias);
+        let compact = choice == SparseGemmChoice::Compact && compact_gemm_fits(device_index, spec)?;
+        // The compact GEMM's epilogue reads the layer's scales and bias.
+        let epilogue = match (&weight.codes, compact) {
+            (WeightCodes::I8(codes), true) => Some((
+                codes,
+                HeldBuffer::new(client, scale.clone())?,
+                bias.clone().map(|b| HeldBuffer::new(client, b)).transpose()?,
+            )),
+            _ => None,
+        };
         let layer = |gemm, gemv| Self {
             gemm,
             quant,
@@ -178,14 +188,15 @@ impl GpuLayer<SparseGemm> {
             permutation: None,
             state: Arc::clone(&state),
         };
-        let compact = choice == SparseGemmChoice::Compact && compact_gemm_fits(device_index, spec)?;
-        if let (WeightCodes::I8(codes), true) = (&weight.codes, compact) {
+        if let Some((codes, scale, bias)) = epilogue {
             let compact = compact_codes(spec, codes)?;
             let rows_bytes = CompactRows::read_bytes(spec.pattern, n, spec.in_features);
             ensure_fits(client, &state, 2 * rows_bytes, || {
                 "SlideSparseLinear compact rows".into()
             })?;
-            let gemm = Arc::new(CompactGemm::new(client, device_index, &compact, (k_prime, n_pad))?);
+            let strides = (k_prime, n_pad);
+            let gemm = CompactGemm::new(client, device_index, &compact, strides, (scale, bias))?;
+            let gemm = Arc::new(gemm);
             // A 6:8 layer's GEMV reads the same rows: one copy serves every size.
             let gemv = (spec.pattern.block_len() == 8 && gemv_enabled()?).then(|| {
                 let strides = (gemm.kept_stride, gemm.rank_stride);

@@ -216,6 +216,7 @@ pub fn host_bench(args: &Args) {
                                 codes: &codes,
                                 acc: &acc,
                                 token_scales: &scales,
+                                rows: mp,
                             };
                             let gemm = &prepared.gemm;
                             gemm.run(&client, &mut state, mp, accumulator, buffers)
