@@ -1,8 +1,9 @@
 //! GPU tests of our Hopper sparse GEMM on the compact rows (`cuda/compact_gemm.rs`) and the
-//! decode GEMV on the same rows: at every size a layer built on them gives bit for bit what the
-//! same layer built on cuSPARSELt gives (both accumulate the same INT8 codes exactly in INT32,
-//! then run the same epilogue), for every pattern the GEMM serves and odd shapes, and matches
-//! the host's W8A8 on fresh data.
+//! decode GEMV on the same rows: at every size an f32 layer built on them gives bit for bit what
+//! the same layer built on cuSPARSELt gives (both accumulate the same INT8 codes exactly in
+//! INT32, then run the same epilogue), for every pattern the GEMM serves and odd shapes, and
+//! matches the host's W8A8 on fresh data; a bf16 / f16 layer's GEMM applies the epilogue
+//! itself, and its outputs are the f32 path's rounded once and the GEMV's bit for bit.
 //!
 //! They need an NVIDIA Hopper GPU (sm_90) and cuSPARSELt: `#[ignore]`d, run on the GPU host
 //! with `--ignored` (`scripts/gpu-run.sh tests`). On another GPU they say so and pass.
@@ -13,7 +14,10 @@ use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
     PackOptions, PackedLinear, Precision, SparsityPattern,
     cuda::{
-        CudaPrepared, config::SparseGemmChoice, gemm::SparseGemm, nvrtc_module::DeviceInfo,
+        CudaPrepared,
+        config::SparseGemmChoice,
+        gemm::{LayerGemm, SparseGemm},
+        nvrtc_module::DeviceInfo,
         prepare::compact_gemm_fits,
     },
     pack_linear,
@@ -162,7 +166,9 @@ fn compact_gemm_applies_the_epilogue_itself_for_16_bit_outputs() {
     // the INT32 GEMM and the pipeline's epilogue kernel. The quantization sees the same f32
     // values either way, so both sum the same exact INT32 products: each 16-bit output must be
     // the f32 output rounded once, except where the two epilogues' f32 arithmetic (the f32
-    // one may fuse the multiply-add) straddles a rounding boundary of the 16-bit type.
+    // one may fuse the multiply-add) straddles a rounding boundary of the 16-bit type. A 6:8
+    // layer's GEMV computes its epilogue in the same order as the GEMM's, so there the first
+    // 16 tokens of a 17-token forward (the GEMM) are bit for bit a 16-token forward (the GEMV).
     let mut rng = rng(302);
     for pattern in [
         SparsityPattern::P6_8,
@@ -173,9 +179,16 @@ fn compact_gemm_applies_the_epilogue_itself_for_16_bit_outputs() {
         // 384: three row tiles of whole pieces.
         for (k, n) in [(1000, 100), (4096, 384)] {
             let w = random_f32(&mut rng, n * k);
-            let b = random_f32(&mut rng, n);
+            // Without a bias the kernel adds nothing (a -0 stays -0).
+            let with_bias = rng.random_bool(0.5);
+            let b = if with_bias {
+                random_f32(&mut rng, n)
+            } else {
+                vec![0.0; n]
+            };
+            let bias = with_bias.then_some(&b[..]);
             let options = PackOptions::new(pattern, Precision::Int8);
-            let (packed, _, _) = pack_linear("w", &w, n, k, Some(&b), &options).unwrap();
+            let (packed, _, _) = pack_linear("w", &w, n, k, bias, &options).unwrap();
             let ours = layer(&packed, SparseGemmChoice::Compact);
             for dtype in [DType::BF16, DType::F16] {
                 // 17: past the GEMV; 256 and 300: one token tile and a partial second.
@@ -184,8 +197,23 @@ fn compact_gemm_applies_the_epilogue_itself_for_16_bit_outputs() {
                         .into_iter()
                         .map(|v| round_to(v, dtype))
                         .collect();
+                    assert!(
+                        ours.gemm.accumulator(Precision::Int8, dtype, m).finished,
+                        "{pattern} {dtype:?} m={m}: the GEMM writes the output itself"
+                    );
                     let exact = forward(&ours, &x, (m, k));
                     let got = forward_as(&ours, &x, (m, k), dtype);
+                    if m == 17 && ours.gemv_reads().is_some() {
+                        let gemv = forward_as(&ours, &x[..16 * k], (16, k), dtype);
+                        let first = gemv
+                            .iter()
+                            .zip(&got)
+                            .position(|(p, q)| p.to_bits() != q.to_bits());
+                        assert!(
+                            first.is_none(),
+                            "{pattern} {dtype:?} k={k} n={n}: GEMV and GEMM differ at {first:?}"
+                        );
+                    }
                     let mut near_ties = 0;
                     for (i, (&g, &e)) in got.iter().zip(&exact).enumerate() {
                         if g.to_bits() == round_to(e, dtype).to_bits() {
@@ -210,7 +238,10 @@ fn compact_gemm_applies_the_epilogue_itself_for_16_bit_outputs() {
                     );
                 }
             }
-            println!("{pattern} k={k} n={n}: bf16 and f16 outputs the f32 path's, rounded once");
+            println!(
+                "{pattern} k={k} n={n} bias={with_bias}: bf16 and f16 outputs the f32 path's, \
+                 rounded once"
+            );
         }
     }
 }

@@ -13,10 +13,10 @@
 //! Hopper only (`wgmma.mma_async.sp`, compiled for `sm_90a`), patterns 2:4 .. 14:16.
 //!
 //! It writes either `acc [m, n_pad] = X' . W'^T` in INT32, exact, for the pipeline's epilogue
-//! (f32 layers), or, for 16-bit layers, the layer output `Y [m, n] = acc * s_x * s_w + b` in
-//! bf16 / f16 itself (the epilogue in the GEMM's kernel, staged through shared memory: no
-//! INT32 array written and read back, no epilogue kernel). The activations `X' [m_pad, k_out]`
-//! are the lift's, as for cuSPARSELt.
+//! (f32 layers, decode sizes), or, for 16-bit layers past decode sizes, the layer output
+//! `Y [m, n] = acc * s_x * s_w + b` in bf16 / f16 itself (the epilogue in the GEMM's kernel,
+//! staged through shared memory: no INT32 array written and read back, no epilogue kernel).
+//! The activations `X' [m_pad, k_out]` are the lift's, as for cuSPARSELt.
 
 use std::{ffi::c_void, sync::Arc};
 
@@ -45,10 +45,10 @@ pub(super) const PROGRAM: Program = Program {
 
 /// Threads of a CTA (`SPGEMM_WS_THREADS`): a producer and two consumer warpgroups.
 const THREADS: u32 = 384;
-/// Tokens per CTA tile (`CfgCompact<256>::BN`) and weight rows per tile.
+/// Tokens per CTA tile (`Cfg<256, 128>::BN` of the kernels it launches) and weight rows per tile.
 const TILE_TOKENS: usize = 256;
 const TILE_ROWS: usize = 128;
-/// `K'` per stage (`CfgCompact::BK`).
+/// `K'` per stage (`Cfg<256, 128>::BK`).
 const TILE_K: usize = 128;
 /// Weight-row tiles side by side in the raster order (`SpGemmWsParams::group`): a wave's share
 /// of `X'` stays in L2 (docs/benchmarks.md, the raster-group table).

@@ -13,6 +13,7 @@ use super::{
     accumulator::Accumulator,
     buffers::{ForwardBuffer, HeldBuffer},
     compact_gemm::{CompactGemm, CompactOutput},
+    gemv::MAX_TOKENS,
     config::Settings,
     cublaslt::{DenseShape, WORKSPACE},
     cusparselt::{GemmPointers, GemmShape, sys::Stream},
@@ -42,10 +43,13 @@ pub trait LayerGemm: Clone + Send + Sync + 'static {
     /// The layer's name in errors.
     const LAYER: &'static str;
 
-    /// What the GEMM writes for a layer of `precision` whose output has dtype `out`.
-    fn accumulator(&self, precision: Precision, out: DType) -> Accumulator;
+    /// What the GEMM writes for a forward of `m` tokens of a layer of `precision` whose output
+    /// has dtype `out`.
+    fn accumulator(&self, precision: Precision, out: DType, m: usize) -> Accumulator;
 
-    /// Enqueues `acc = codes . W^T` for `m_pad` rows, ordered between burn's kernels.
+    /// Enqueues `acc = codes . W^T` for `m_pad` rows, or, where `accumulator` is
+    /// [`finished`](Accumulator::finished), the layer output `Y [rows, n]` into `acc`, ordered
+    /// between burn's kernels.
     fn run(
         &self,
         client: &Client,
@@ -140,12 +144,15 @@ impl LtWeight {
 impl LayerGemm for SparseGemm {
     const LAYER: &'static str = "SlideSparseLinear";
 
-    fn accumulator(&self, precision: Precision, out: DType) -> Accumulator {
+    fn accumulator(&self, precision: Precision, out: DType, m: usize) -> Accumulator {
         match self {
             Self::Lt(_) => Accumulator::sparse(precision, out),
-            // 16-bit outputs with the epilogue in the GEMM's kernel; exact INT32 for the
-            // pipeline's epilogue of f32 outputs.
+            // 16-bit outputs past decode sizes with the epilogue in the GEMM's kernel; exact
+            // INT32 for the pipeline's epilogue otherwise: f32 outputs, and forwards of up to
+            // MAX_TOKENS tokens, whose accumulator is a kept buffer the call's CUDA graph
+            // replays on (a finished output is the forward's fresh tensor: no graph).
             Self::Compact(_) => Accumulator::finished(out)
+                .filter(|_| m > MAX_TOKENS)
                 .unwrap_or_else(|| Accumulator::dense(Precision::Int8, out)),
         }
     }
@@ -182,6 +189,7 @@ fn run_compact(
         m_pad,
         n: gemm.n,
         k_slide: gemm.k_slide,
+        finished: accumulator.finished,
     };
     // The metadata words go to the lane's workspace (stream-ordered with every other call of
     // the lane, so layers share it).
@@ -266,7 +274,7 @@ pub struct DenseGemm {
 impl LayerGemm for DenseGemm {
     const LAYER: &'static str = "QuantizedLinear";
 
-    fn accumulator(&self, precision: Precision, out: DType) -> Accumulator {
+    fn accumulator(&self, precision: Precision, out: DType, _m: usize) -> Accumulator {
         Accumulator::dense(precision, out)
     }
 

@@ -45,6 +45,8 @@ pub struct CompactShape {
     pub n: usize,
     /// `K'` the weight covers.
     pub k_slide: usize,
+    /// Whether the call writes the finished output (another kernel, other operands).
+    pub finished: bool,
 }
 
 /// A GEMM call with all its device pointers (weights, activations, output, scales,

@@ -392,6 +392,10 @@ pub fn launch_epilogue(
     accumulator: Accumulator,
     output: DType,
 ) -> Result<()> {
+    debug_assert!(
+        !accumulator.finished,
+        "a finished accumulator is the output itself: no epilogue runs"
+    );
     // The widest vector of at most 16 bytes (the widest CUDA load/store; wider vectors
     // compute wrong results in cubecl 0.10) that divides both row lengths, so that no
     // vector straddles two rows.

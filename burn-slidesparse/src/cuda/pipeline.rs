@@ -136,7 +136,7 @@ impl<G: LayerGemm> GpuLayer<G> {
         let client = x.client.clone();
         let (precision, dtype) = (self.precision, x.dtype);
         let m_pad = m_pad(m, precision);
-        let accumulator = self.gemm.accumulator(precision, dtype);
+        let accumulator = self.gemm.accumulator(precision, dtype, m);
         let ([codes, token_scales, acc], out) =
             self.forward_buffers(&client, (m, m_pad), accumulator, dtype)?;
         launch_quant_lift_permuted(

@@ -11,7 +11,8 @@
 //   OUT = 0: y INT32 [M, ldy], y[t, n] = D[n, t]                     (exact)
 //   OUT = 1: y bf16  [M, ldy], y[t, n] = bf16_rn(((f32)D * s_x[t]) * s_w[n] + bias[n])
 //            (f32, one rounding per operation, no FMA: the order decode_gemv.cu uses)
-//   OUT = 2: y f16, as OUT = 1 with f16_rn (the warp-specialized kernels only)
+//   OUT = 2: y f16, as OUT = 1 with f16_rn (spgemm_ws::run and run_compact only: their 16-bit
+//            epilogue is store_tile_16; store_out and the persistent kernels write bf16)
 // y is row-major [M, N_out], the layout burn and the cuSPARSELt path use.
 //
 // Tile configuration (the only one): CTA tile 128 weight rows x 128 tokens x 256 K' per stage;
@@ -308,6 +309,7 @@ __device__ __forceinline__ void load_tile(const SpGemmParams& p, u32 st, int kt,
 
 template <int OUT>
 __device__ __forceinline__ void store_out(const SpGemmParams& p, int tok, int n, int v) {
+    static_assert(OUT == 0 || OUT == 1, "INT32 or bf16");
     const size_t at = (size_t)tok * p.ldy + n;
     if (OUT == 0) {
         ((int*)p.y)[at] = v;
@@ -825,7 +827,7 @@ __device__ __forceinline__ void store_tile_16(const SpGemmWsParams& p, u32 base,
         for (int jj = 0; jj < 2; ++jj) {
             const int t = 8 * (j + jj) + 2 * (lane & 3);
             float s0, s1;
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(s0), "=f"(s1) : "r"(ssx + 4 * t));
+            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(s0), "=f"(s1) : "r"(ssx + 4 * t) : "memory");
             const int* a = &acc[4 * (j + jj)];
 #pragma unroll
             for (int h = 0; h < 2; ++h)
