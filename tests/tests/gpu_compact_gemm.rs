@@ -23,7 +23,7 @@ use burn_slidesparse::{
     pack_linear,
 };
 use cubecl::{Runtime, cuda::CudaRuntime};
-use rand::Rng;
+use rand::{Rng, rngs::StdRng};
 use slidesparse_tests::{host_w8a8, random_f32, relative_l2 as rel_err, rng};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -75,6 +75,23 @@ fn forward_as(layer: &CudaPrepared, x: &[f32], (m, k): (usize, usize), dtype: DT
         .unwrap()
 }
 
+/// A random INT8 `pattern` layer `[n, k]` packed as the examples pack, with a bias half of the
+/// time, and the bias the host reference adds (zeros without one).
+fn random_layer(
+    rng: &mut StdRng,
+    pattern: SparsityPattern,
+    (k, n): (usize, usize),
+) -> (PackedLinear, Vec<f32>) {
+    let with_bias = rng.random_bool(0.5);
+    let w = random_f32(rng, n * k);
+    let b = random_f32(rng, n);
+    let options = PackOptions::new(pattern, Precision::Int8);
+    let bias = with_bias.then_some(&b[..]);
+    let (packed, _, _) = pack_linear("w", &w, n, k, bias, &options).unwrap();
+    let host_bias = if with_bias { b } else { vec![0.0; n] };
+    (packed, host_bias)
+}
+
 fn hopper() -> bool {
     let capability = DeviceInfo::of(0).unwrap().capability;
     if capability != (9, 0) {
@@ -103,12 +120,7 @@ fn compact_gemm_is_bit_identical_to_cusparselt_for_every_pattern() {
         // K not a multiple of the block, of 64 or of the stage's 128 K'; N not a multiple of
         // the 128-row tile; M inside one 256-token tile and across several.
         for (k, n) in [(1000, 200), (576, 96), (4096, 384)] {
-            let with_bias = rng.random_bool(0.5);
-            let w = random_f32(&mut rng, n * k);
-            let b = random_f32(&mut rng, n);
-            let options = PackOptions::new(pattern, Precision::Int8);
-            let bias = with_bias.then_some(&b[..]);
-            let (packed, _, _) = pack_linear("w", &w, n, k, bias, &options).unwrap();
+            let (packed, host_bias) = random_layer(&mut rng, pattern, (k, n));
             assert!(
                 compact_gemm_fits(0, packed.spec()).unwrap(),
                 "{pattern} k={k}"
@@ -116,8 +128,6 @@ fn compact_gemm_is_bit_identical_to_cusparselt_for_every_pattern() {
             let ours = layer(&packed, SparseGemmChoice::Compact);
             let lt = layer(&packed, SparseGemmChoice::CuSparseLt);
             let pruned = packed.unslide().unwrap();
-            let zeros = vec![0.0; n];
-            let host_bias = bias.unwrap_or(&zeros);
             for m in [1, 9, 16, 17, 256, 257, 1000] {
                 let x = random_f32(&mut rng, m * k);
                 // At up to 16 tokens a 6:8 layer runs the GEMV on both sides (ours on the
@@ -135,7 +145,7 @@ fn compact_gemm_is_bit_identical_to_cusparselt_for_every_pattern() {
                     first.map(|i| a[i]),
                     first.map(|i| b[i])
                 );
-                let expected = host_w8a8(&x, &pruned, host_bias, (m, k, n), Precision::Int8);
+                let expected = host_w8a8(&x, &pruned, &host_bias, (m, k, n), Precision::Int8);
                 let err = rel_err(&a, &expected);
                 assert!(err < 1e-3, "{pattern} m={m} k={k} n={n}: rel err {err:.2e}");
             }
@@ -178,17 +188,9 @@ fn compact_gemm_applies_the_epilogue_itself_for_16_bit_outputs() {
         // n = 100: rows not a whole number of 16-byte pieces (the kernel's per-value stores);
         // 384: three row tiles of whole pieces.
         for (k, n) in [(1000, 100), (4096, 384)] {
-            let w = random_f32(&mut rng, n * k);
             // Without a bias the kernel adds nothing (a -0 stays -0).
-            let with_bias = rng.random_bool(0.5);
-            let b = if with_bias {
-                random_f32(&mut rng, n)
-            } else {
-                vec![0.0; n]
-            };
-            let bias = with_bias.then_some(&b[..]);
-            let options = PackOptions::new(pattern, Precision::Int8);
-            let (packed, _, _) = pack_linear("w", &w, n, k, bias, &options).unwrap();
+            let (packed, b) = random_layer(&mut rng, pattern, (k, n));
+            let with_bias = packed.bias.is_some();
             let ours = layer(&packed, SparseGemmChoice::Compact);
             for dtype in [DType::BF16, DType::F16] {
                 // 17: past the GEMV; 256 and 300: one token tile and a partial second.

@@ -151,17 +151,12 @@ impl<G: LayerGemm> GpuLayer<G> {
             precision,
             dtype,
         )?;
-        // A finished accumulator is the output itself.
-        let finished = ForwardBuffer {
-            handle: out.clone(),
-            kept_ptr: None,
-        };
         {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.make_current()?;
             let buffers = GemmBuffers {
                 codes: &codes,
-                acc: if accumulator.finished { &finished } else { &acc },
+                acc: &acc,
                 token_scales: &token_scales,
                 rows: m,
             };
@@ -243,9 +238,9 @@ impl<G: LayerGemm> GpuLayer<G> {
     }
 
     /// The buffers of one forward of `m` tokens (`m_pad` rows): the intermediate ones
-    /// (`[codes, token scales, accumulator]`, kept by this thread's lane at decode sizes; no
-    /// accumulator bytes where it is the output, [`finished`](Accumulator::finished)) and a
-    /// fresh `[m, n]` output of `dtype`, once their total is known to fit.
+    /// (`[codes, token scales, accumulator]`, kept by this thread's lane at decode sizes; the
+    /// accumulator is the output itself where it is [`finished`](Accumulator::finished)) and
+    /// a fresh `[m, n]` output of `dtype`, once their total is known to fit.
     pub fn forward_buffers(
         &self,
         client: &Client,
@@ -263,7 +258,17 @@ impl<G: LayerGemm> GpuLayer<G> {
             },
         ];
         let out_bytes = m * self.n * dtype.size();
-        self.scratch(client, m, scratch_sizes, out_bytes, "forward")
+        let ([codes, scales, acc], out) =
+            self.scratch(client, m, scratch_sizes, out_bytes, "forward")?;
+        let acc = if accumulator.finished {
+            ForwardBuffer {
+                handle: out.clone(),
+                kept_ptr: None,
+            }
+        } else {
+            acc
+        };
+        Ok(([codes, scales, acc], out))
     }
 
     /// This thread's lane's scratch of `sizes` and a fresh output of `out_bytes`, once their
