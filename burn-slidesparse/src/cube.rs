@@ -101,7 +101,7 @@ mod dispatch {
                 &client,
                 index,
                 weights.spec,
-                &weights.weight.full(),
+                &weights.weight,
                 bias.as_deref(),
             )?
             .with_input_permutation(&client, weights.input_permutation.as_ref())

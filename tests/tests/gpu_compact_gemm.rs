@@ -12,7 +12,7 @@
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_slidesparse::{
-    PackOptions, PackedLinear, Precision, SparsityPattern,
+    HostCodes, PackOptions, PackedLinear, Precision, SparsityPattern,
     cuda::{
         CudaPrepared,
         config::SparseGemmChoice,
@@ -28,17 +28,28 @@ use slidesparse_tests::{host_w8a8, random_f32, relative_l2 as rel_err, rng};
 
 type Gpu = CubeBackend<CudaRuntime, f32, i32, u8>;
 
-/// The layer built with `choice`, checked to run the GEMM asked for.
+/// The layer built with `choice`, checked to run the GEMM asked for. The compact GEMM's layer
+/// is built from the compact rows a module holds (uploaded as they are), cuSPARSELt's from the
+/// slid codes (compacted for the GEMV): both ways a weight reaches the GPU.
 fn layer(packed: &PackedLinear, choice: SparseGemmChoice) -> CudaPrepared {
     let client = CudaRuntime::client(&Default::default());
-    let layer = CudaPrepared::new_sparse_with(
-        &client,
-        0,
-        packed.spec(),
-        (&packed.weight, packed.bias.as_deref()),
-        choice,
-    )
-    .unwrap();
+    let spec = packed.spec();
+    let held = match choice {
+        SparseGemmChoice::Compact => {
+            let held = HostCodes::sparse(
+                packed.weight.clone(),
+                spec.pattern,
+                spec.in_features,
+                spec.alignment,
+            );
+            assert!(held.compact().is_some(), "{}", packed.pattern);
+            held
+        }
+        SparseGemmChoice::CuSparseLt => HostCodes::Codes(packed.weight.clone().into()),
+    };
+    let layer =
+        CudaPrepared::new_sparse_with(&client, 0, spec, (&held, packed.bias.as_deref()), choice)
+            .unwrap();
     let compact = matches!(layer.gemm, SparseGemm::Compact(_));
     assert_eq!(
         compact,

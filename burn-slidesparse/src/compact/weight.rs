@@ -1,7 +1,8 @@
 //! A layer's weight on the host in the form a module keeps it: the compact rows of a
 //! SlideSparse layer's INT8 / FP8 codes (its one copy: the CPU kernel reads it in place, the
-//! slid codes are rebuilt from it when a GPU library or a record asks for them), or the codes
-//! as they are (a dense layer's `W`, a 16- or 32-bit layer's slid `W'`).
+//! Hopper compact GEMM uploads it as it is, the slid codes are rebuilt from it when
+//! cuSPARSELt or a record asks for them), or the codes as they are (a dense layer's `W`, a
+//! 16- or 32-bit layer's slid `W'`).
 //!
 //! Why the compact form: at 6:8 it takes 0.83 bytes per weight where the slid INT8 codes take
 //! 1.5, and the CPU's integer kernel multiplies it directly, so a CPU model holds nothing else.
@@ -161,6 +162,14 @@ impl HostCodes {
         match self {
             Self::Codes(weight) => (weight.rows, weight.cols),
             Self::Compact(compact) => (compact.rows.rows, compact.geometry().k_prime()),
+        }
+    }
+
+    /// The per-output-channel scales.
+    pub fn scales(&self) -> &[f32] {
+        match self {
+            Self::Codes(weight) => &weight.scales,
+            Self::Compact(compact) => &compact.scales,
         }
     }
 

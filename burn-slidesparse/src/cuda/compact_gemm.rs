@@ -30,7 +30,7 @@ use super::{
     runtime::{Client, PerDevice},
 };
 use crate::{
-    compact::{CompactCodes, CompactRows, window_metadata},
+    compact::{CompactRows, window_metadata},
     error::{Result, SlideSparseError},
     pattern::SparsityPattern,
 };
@@ -266,22 +266,21 @@ pub struct CompactGemm {
 }
 
 impl CompactGemm {
-    /// Uploads `codes` as compact rows on device `index` and encodes the weight's tensor maps;
+    /// Uploads compact `rows` on device `index` and encodes the weight's tensor maps;
     /// its forwards read lifted codes of `x_stride` bytes per token and write accumulator rows
     /// of `acc_stride` INT32, or finished outputs with the layer's `scale` `[n]` and `bias`
     /// (f32, held here). Errors: a pattern past 14:16, a driver refusing a map.
     pub fn new(
         client: &Client,
         index: usize,
-        codes: &CompactCodes<i8>,
+        rows: &CompactRows,
         (x_stride, acc_stride): (usize, usize),
         (scale, bias): (HeldBuffer, Option<HeldBuffer>),
     ) -> Result<Self> {
-        let table = rank_table(codes.pattern)?;
+        let table = rank_table(rows.pattern)?;
         // Encoding the weight's tensor maps needs the context current; burn may prepare a
         // layer on any thread.
         kernel(index)?.context.make_current()?;
-        let rows = CompactRows::new(codes);
         let kept = HeldBuffer::new(client, client.create_from_slice(&rows.kept))?;
         let ranks = HeldBuffer::new(client, client.create_from_slice(&rows.ranks))?;
         let n = rows.rows;
@@ -291,7 +290,7 @@ impl CompactGemm {
             (64, TILE_ROWS as u32),
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
         )?;
-        let geometry = codes.pattern.geometry(codes.k, 1);
+        let geometry = rows.pattern.geometry(rows.k, 1);
         let k_slide = geometry.k_slide();
         let int = |what: &str, v: usize| {
             i32::try_from(v).map_err(|_| SlideSparseError::Unsupported {
@@ -327,8 +326,8 @@ impl CompactGemm {
             rank_stride: int("rank row bytes", rows.rank_stride)?,
             k_tiles: base.k_tiles,
             n_tiles: base.n_tiles,
-            win: codes.pattern.block_len() as i32 / 2 - 1,
-            rbits: crate::compact::rank_bits(codes.pattern) as i32,
+            win: rows.pattern.block_len() as i32 / 2 - 1,
+            rbits: crate::compact::rank_bits(rows.pattern) as i32,
             table,
         };
         Ok(Self {

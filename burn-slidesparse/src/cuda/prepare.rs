@@ -3,7 +3,10 @@
 //! cuSPARSELt's check and compression of the 2:4 weight, or the compact rows of our Hopper
 //! GEMM (`SLIDESPARSE_SPARSE_GEMM=compact`).
 
-use std::sync::{Arc, Mutex};
+use std::{
+    borrow::Cow,
+    sync::{Arc, Mutex},
+};
 
 use burn::tensor::{Tensor, backend::Backend};
 use cubecl::server::Handle;
@@ -23,7 +26,7 @@ use super::{
     state::{DeviceState, device_state},
 };
 use crate::{
-    compact::{CompactCodes, CompactRows},
+    compact::{CompactCodes, CompactRows, CompactWeight, HostCodes},
     error::{Result, SlideSparseError},
     pack::LayerSpec,
     permute::InputPermutation,
@@ -97,6 +100,45 @@ fn check_codes(spec: LayerSpec, weight: &QuantizedWeight) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a SlideSparse layer's host weight that is not of the layer's precision, shape,
+/// pattern and alignment.
+fn check_held(spec: LayerSpec, weight: &HostCodes) -> Result<()> {
+    match weight {
+        HostCodes::Codes(codes) => check_codes(spec, codes),
+        HostCodes::Compact(compact) => check_compact(spec, compact),
+    }
+}
+
+/// [`check_held`] for compact rows.
+fn check_compact(spec: LayerSpec, weight: &CompactWeight) -> Result<()> {
+    let rows = &weight.rows;
+    if weight.precision != spec.precision
+        || (rows.pattern, rows.rows, rows.k) != (spec.pattern, spec.out_features, spec.in_features)
+        || weight.alignment != spec.alignment
+        || weight.scales.len() != spec.out_features
+    {
+        return Err(SlideSparseError::Unsupported {
+            what: "SlideSparseLinear weight".into(),
+            why: format!(
+                "compact codes are {} {} [{}, {}] aligned to {} with {} scales, the layer is {} {} \
+                 [{}, {}] aligned to {}",
+                weight.precision,
+                rows.pattern,
+                rows.rows,
+                rows.k,
+                weight.alignment,
+                weight.scales.len(),
+                spec.precision,
+                spec.pattern,
+                spec.out_features,
+                spec.in_features,
+                spec.alignment
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Refuses precisions without a GPU GEMM.
 fn check_precision(what: &str, precision: Precision) -> Result<()> {
     if precision == Precision::F32 {
@@ -123,14 +165,14 @@ fn scale_and_bias(
 }
 
 impl GpuLayer<SparseGemm> {
-    /// Builds a SlideSparse layer from a packed weight `W' [out, K']` (codes and per-channel
-    /// scales) and its bias, with the GEMM `SLIDESPARSE_SPARSE_GEMM` chooses
-    /// ([`new_sparse_with`](Self::new_sparse_with)).
+    /// Builds a SlideSparse layer from its packed weight as the module holds it (the slid
+    /// `W' [out, K']` or its compact rows, with the per-channel scales) and its bias, with the
+    /// GEMM `SLIDESPARSE_SPARSE_GEMM` chooses ([`new_sparse_with`](Self::new_sparse_with)).
     pub fn new_sparse(
         client: &Client,
         device_index: usize,
         spec: LayerSpec,
-        weight: &QuantizedWeight,
+        weight: &HostCodes,
         bias: Option<&[f32]>,
     ) -> Result<Self> {
         let choice = config()?.sparse_gemm;
@@ -142,19 +184,20 @@ impl GpuLayer<SparseGemm> {
     /// rows where the layer allows it ([`compact_gemm_fits`]), which a 6:8 layer's GEMV reads
     /// too, else cuSPARSELt's compressed copy, serving every size. With
     /// [`SparseGemmChoice::CuSparseLt`], cuSPARSELt's copy, and beside it the GEMV's compact
-    /// rows for a 6:8 INT8 layer. cuSPARSELt's copy is checked by its PruneCheck; the
+    /// rows for a 6:8 INT8 layer. Compact rows the module holds are uploaded as they are; slid
+    /// codes are compacted here. cuSPARSELt's copy is checked by its PruneCheck; the
     /// uncompressed upload is freed before this returns.
     pub fn new_sparse_with(
         client: &Client,
         device_index: usize,
         spec: LayerSpec,
-        (weight, bias): (&QuantizedWeight, Option<&[f32]>),
+        (weight, bias): (&HostCodes, Option<&[f32]>),
         choice: SparseGemmChoice,
     ) -> Result<Self> {
         let precision = spec.precision;
         check_precision("SlideSparseLinear", precision)?;
-        check_codes(spec, weight)?;
-        let scales = &weight.scales;
+        check_held(spec, weight)?;
+        let scales = weight.scales();
         let geometry = spec.geometry();
         let (n, k_prime) = (spec.out_features, geometry.k_prime());
         let n_pad = n.next_multiple_of(sparse_n_multiple(precision));
@@ -168,14 +211,14 @@ impl GpuLayer<SparseGemm> {
         let (scale, bias) = scale_and_bias(client, scales, bias);
         let compact = choice == SparseGemmChoice::Compact && compact_gemm_fits(device_index, spec)?;
         // The compact GEMM's epilogue reads the layer's scales and bias.
-        let epilogue = match (&weight.codes, compact) {
-            (WeightCodes::I8(codes), true) => Some((
-                codes,
-                HeldBuffer::new(client, scale.clone())?,
-                bias.clone().map(|b| HeldBuffer::new(client, b)).transpose()?,
-            )),
-            _ => None,
-        };
+        let epilogue = compact
+            .then(|| -> Result<_> {
+                Ok((
+                    HeldBuffer::new(client, scale.clone())?,
+                    bias.clone().map(|b| HeldBuffer::new(client, b)).transpose()?,
+                ))
+            })
+            .transpose()?;
         let layer = |gemm, gemv| Self {
             gemm,
             quant,
@@ -188,14 +231,14 @@ impl GpuLayer<SparseGemm> {
             permutation: None,
             state: Arc::clone(&state),
         };
-        if let Some((codes, scale, bias)) = epilogue {
-            let compact = compact_codes(spec, codes)?;
+        if let Some(epilogue) = epilogue {
+            let rows = compact_rows(spec, weight)?;
             let rows_bytes = CompactRows::read_bytes(spec.pattern, n, spec.in_features);
             ensure_fits(client, &state, 2 * rows_bytes, || {
                 "SlideSparseLinear compact rows".into()
             })?;
             let strides = (k_prime, n_pad);
-            let gemm = CompactGemm::new(client, device_index, &compact, strides, (scale, bias))?;
+            let gemm = CompactGemm::new(client, device_index, &rows, strides, epilogue)?;
             let gemm = Arc::new(gemm);
             // A 6:8 layer's GEMV reads the same rows: one copy serves every size.
             let gemv = (spec.pattern.block_len() == 8 && gemv_enabled()?).then(|| {
@@ -211,7 +254,7 @@ impl GpuLayer<SparseGemm> {
             "SlideSparseLinear weights".into()
         })?;
         let bytes = padded(
-            &weight.codes.to_le_bytes(),
+            &weight.full().codes.to_le_bytes(),
             (n, k_prime),
             (n_pad, k_prime),
             precision.element_bytes(),
@@ -246,8 +289,23 @@ pub fn compact_gemm_fits(index: usize, spec: LayerSpec) -> Result<bool> {
         && DeviceInfo::of(index)?.capability == (9, 0))
 }
 
-/// A layer's compact form, from its slid INT8 codes.
-fn compact_codes(spec: LayerSpec, codes: &[i8]) -> Result<CompactCodes<i8>> {
+/// An INT8 layer's compact form: the rows the module holds, read as they are, or compacted
+/// from its slid codes.
+fn compact_rows(spec: LayerSpec, weight: &HostCodes) -> Result<Cow<'_, CompactRows>> {
+    Ok(match weight {
+        HostCodes::Compact(compact) => Cow::Borrowed(&compact.rows),
+        HostCodes::Codes(codes) => Cow::Owned(CompactRows::new(&compact_codes(spec, codes)?)),
+    })
+}
+
+/// An INT8 layer's compact codes, from its slid codes.
+fn compact_codes(spec: LayerSpec, weight: &QuantizedWeight) -> Result<CompactCodes<i8>> {
+    let WeightCodes::I8(codes) = &weight.codes else {
+        return Err(SlideSparseError::Unsupported {
+            what: "compact SlideSparseLinear weight".into(),
+            why: format!("{} codes (INT8 only)", weight.codes.precision()),
+        });
+    };
     CompactCodes::from_slid(
         codes,
         spec.out_features,
@@ -257,20 +315,16 @@ fn compact_codes(spec: LayerSpec, codes: &[i8]) -> Result<CompactCodes<i8>> {
     )
 }
 
-/// The GEMV of a 6:8 INT8 layer (its compact rows, from the slid codes), where it is on;
-/// `None` for other patterns and precisions (the library GEMM at every size).
-fn sparse_gemv(
-    client: &Client,
-    spec: LayerSpec,
-    weight: &QuantizedWeight,
-) -> Result<Option<Arc<Gemv>>> {
-    let WeightCodes::I8(codes) = &weight.codes else {
-        return Ok(None);
-    };
-    if spec.pattern.block_len() != 8 || !gemv_enabled()? {
+/// The GEMV of a 6:8 INT8 layer (its own tiles of the compact codes), where it is on; `None`
+/// for other patterns and precisions (the library GEMM at every size).
+fn sparse_gemv(client: &Client, spec: LayerSpec, weight: &HostCodes) -> Result<Option<Arc<Gemv>>> {
+    if weight.precision() != Precision::Int8 || spec.pattern.block_len() != 8 || !gemv_enabled()? {
         return Ok(None);
     }
-    let compact = compact_codes(spec, codes)?;
+    let compact = match weight {
+        HostCodes::Compact(compact) => compact.rows.to_codes::<i8>(),
+        HostCodes::Codes(codes) => compact_codes(spec, codes)?,
+    };
     Ok(Some(Arc::new(Gemv::compact(client, &compact)?)))
 }
 

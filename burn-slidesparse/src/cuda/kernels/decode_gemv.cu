@@ -599,6 +599,9 @@ __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
                 if (s < steps) compact_unit<R, NT>(stage, Stage::WEIGHTS, xs, p, table, acc);
                 else compact_tail<R, NT>(stage, Stage::WEIGHTS, xs, p, table, acc);
             } else if (ROWS) {
+                // A lane reads row pieces other lanes of the warp copied: their cp.async
+                // writes are ordered before its reads by the warp barrier, not by its own wait.
+                __syncwarp();
                 rows_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), table, acc);
             } else {
                 dense_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), acc);
