@@ -249,6 +249,15 @@ int main(int argc, char** argv) {
         {"smollm down", 576, 1536},
     };
     std::vector<int> ms = {1, 8, 16};
+    // For a profiler: GEMV_SHAPES (a substring of the shape names), GEMV_MS (token counts,
+    // comma-separated), GEMV_CHECK_ONLY (each kernel's checked launch, no timing).
+    const char* only_shape = getenv("GEMV_SHAPES");
+    if (const char* list = getenv("GEMV_MS")) {
+        ms.clear();
+        for (const char* c = list; *c; ++c)
+            if (c == list || c[-1] == ',') ms.push_back(atoi(c));
+    }
+    const bool check_only = getenv("GEMV_CHECK_ONLY") != nullptr;
     set_smem_limits();
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -283,6 +292,7 @@ int main(int argc, char** argv) {
     printf("\n| shape | N x K | M | best dense GEMV us | TB/s | best compact 6:8 us | TB/s | 6:8 / dense | cuBLASLt INT8 us | cuBLASLt / dense | check | per config: dense/compact/rows us | best rows 6:8 us | rows / tiles time |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Shape& sh : shapes) {
+        if (only_shape && !strstr(sh.name, only_shape)) continue;
         const int n = sh.n, k = sh.k;
         // A 6:8-pruned INT8 matrix (codes in [-127, 127], two zeros per block at random).
         std::vector<int8_t> w((size_t)n * k);
@@ -426,7 +436,7 @@ int main(int argc, char** argv) {
                             ++bad;
                         }
                 }
-                for (int pdl = 0; pdl < 2; ++pdl) {
+                for (int pdl = 0; pdl < (check_only ? 0 : 2); ++pdl) {
                     float td = time_graph(s, copies, [&](int c) {
                         GemvParams q = p;
                         q.w = (u64)d_wd[c];

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (no Rust there): the GPU tests, then the GEMM and layer benchmarks, from the
 # stripped binaries that scripts/build-gpu-bins.sh put in gpu-bin/. Logs go to $OUT.
-#   usage: bash scripts/gpu-run.sh [all|tests|test BINARY...|gemm|gemv|spgemm|spgemm-compact|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
+#   usage: bash scripts/gpu-run.sh [all|tests|test BINARY...|gemm|gemv|gemv-profile|spgemm|spgemm-compact|spgemm-profile|layer|quant|host|decode|fusion|attention|model|collective|profile|generate] [extra args...]
 # (`model` runs the model_throughput example; `collective` the collective_timing example; `profile` runs it under Nsight Compute with
 # `--profile-decode` (one variant, one decode batch) and sums the kernels of that step; `quant` the quant+lift layouts alone; `host` the
 # host cost of each piece of a decode forward; `decode` a whole block at decode sizes, wall
@@ -87,6 +87,24 @@ if [ "$what" = gemv ]; then
   echo "gemv bench exit code: $?"
   tail -3 "$OUT/gemv.err"
   cat "$OUT/gemv.md"
+fi
+if [ "$what" = gemv-profile ]; then
+  # Nsight Compute on the decode GEMV kernels (dense, tiles, rows), each one's checked launch:
+  # GEMV_SHAPES (default "llama gate_up") at GEMV_MS tokens (default 1,8). Instructions, shared
+  # loads and their bank conflicts, L2 sectors, DRAM bytes and throughput, stalls.
+  nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
+    -I burn-slidesparse/src/cuda/kernels scripts/bench-gemv.cu -lcublasLt -o /tmp/bench-gemv \
+    > "$OUT/gemv-profile.err" 2>&1
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  GEMV_SHAPES=${GEMV_SHAPES:-llama gate_up} GEMV_MS=${GEMV_MS:-1,8} GEMV_CHECK_ONLY=1 \
+    timeout 400 "$ncu" --kernel-name regex:gemv_ --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats \
+    --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,smsp__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
+    -o "$OUT/gemv" /tmp/bench-gemv > "$OUT/gemv-profile.md" 2>> "$OUT/gemv-profile.err"
+  echo "gemv profile exit code: $?"
+  "$ncu" --import "$OUT/gemv.ncu-rep" --page details > "$OUT/gemv-profile-details.txt" 2>> "$OUT/gemv-profile.err"
+  grep -E "^  gemv_|Duration|DRAM Throughput|bank_conflicts|inst_executed|dram__bytes_read|lts__t_sectors|No Eligible|Registers Per" \
+    "$OUT/gemv-profile-details.txt" | head -120
 fi
 if [ "$what" = spgemm ]; then
   # The Hopper 2:4 sparse INT8 GEMM (burn-slidesparse/src/cuda/kernels/sparse_gemm_sm90.cu), built

@@ -40,8 +40,8 @@ pub const MAX_TOKENS: usize = 16;
 /// weights (`COMPACT_STEP_BYTES`, `DENSE_STEP_BYTES`).
 const X_ROW: usize = 576;
 const COMPACT_STEP: usize = 6144 + 640;
-/// `ROWS_STEP_BYTES`: 16 rows of 432 code bytes and 40 rank bytes.
-const ROWS_STEP: usize = 16 * 432 + 16 * 40;
+/// `ROWS_STEP_BYTES`: 16 rows of 432 code bytes and 48 rank bytes.
+const ROWS_STEP: usize = 16 * 432 + 16 * 48;
 const DENSE_STEP: usize = 8 * 1024;
 /// `GEMV_FLAG_PREFETCH`: prefetch the first group's weights into L2 before waiting for the
 /// kernel before (programmatic dependent launch).

@@ -20,8 +20,8 @@
 //   (`compact.rs`, `DecodeTiles`, says where each byte goes);
 // - 2, compact 6:8 rows: the same codes and ranks row-major, as the compact sparse GEMM reads
 //   them (`compact/rows.rs`, `CompactRows`: kept [n, w_stride], ranks [n, idx_stride]), so that
-//   a layer holds one copy for both. A step's rows are staged with 16-byte (codes) and 8-byte
-//   (ranks) copies into rows padded for conflict-free reads (ROWS_CODE_STRIDE).
+//   a layer holds one copy for both. A step's rows are staged with 16-byte copies into rows
+//   padded for conflict-free reads (ROWS_CODE_STRIDE, ROWS_RANK_STRIDE).
 
 #include "common.cuh"
 
@@ -125,9 +125,6 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
 __device__ __forceinline__ void cp16_zfill(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp8_zfill(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
-}
 __device__ __forceinline__ void cp8(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
 }
@@ -172,10 +169,11 @@ __device__ __forceinline__ void let_next_start() {
 #define COMPACT_STEP_BYTES (UNIT_CODE_BYTES + UNIT_IDX_BYTES)
 // Compact rows: a step's 384 code bytes of a row, padded to 432 (108 words: the rows g = 0..7 a
 // quad-row of threads reads start 12 banks apart, so a thread's three words of one chunk and
-// its quad's make 32 distinct banks), then the 16 rows' 40 rank bytes (10 words apart: distinct
+// its quad's make 32 distinct banks), then the 16 rows' ranks, 48 bytes a row (the step's 40
+// rank bytes start 0 or 8 bytes into three aligned 16-byte pieces; 12 words apart: distinct
 // banks for the 8 rows a warp reads at once).
 #define ROWS_CODE_STRIDE 432
-#define ROWS_RANK_STRIDE 40
+#define ROWS_RANK_STRIDE 48
 #define ROWS_STEP_BYTES (GEMV_ROWS * ROWS_CODE_STRIDE + GEMV_ROWS * ROWS_RANK_STRIDE)
 #define GEMV_FLAG_PREFETCH 1
 
@@ -293,27 +291,38 @@ __device__ __forceinline__ void compact_chunk(const char* stage, const u32 (&ix)
 
 // Compact rows of step `s` (k [512 s, 512 s + 512): 384 code bytes and 40 rank bytes per row)
 // of row tile `tile`: codes as 16 rows of ROWS_CODE_STRIDE, then ranks as 16 rows of
-// ROWS_RANK_STRIDE. Consecutive lanes copy consecutive pieces of a row (a warp's copy reads
-// 512 contiguous bytes but at a row's end). Rows past n and bytes past a row's end are zero:
-// rank 0 and zero codes expand to zero weights.
+// ROWS_RANK_STRIDE, in few instructions: lanes 0..23 copy one 16-byte column of the code bytes
+// down the 16 rows (a warp's copy of a row is 384 contiguous bytes), lanes 24..31 two rows'
+// ranks each as the three 16-byte pieces from the step's first rank byte rounded down to 16
+// (rows_blocks skips the 0 or 8 bytes before it: `bit0`). Rows past n and bytes past a row's
+// end are zero: rank 0 and zero codes expand to zero weights.
 __device__ __forceinline__ void stage_rows(const GemvParams& p, u32 dst, int tile, int s) {
     const int lane = threadIdx.x & 31;
     const int n0 = tile * GEMV_ROWS;
-    const size_t kept0 = (size_t)s * 384, rank0 = (size_t)s * 40;
+    const int rows = min(GEMV_ROWS, p.n - n0);
+    if (lane < 24) {
+        const size_t col = (size_t)s * 384 + 16 * lane;
+        const bool col_ok = col + 16 <= (size_t)p.w_stride;
+        const char* src = (const char*)p.w + (size_t)n0 * p.w_stride + (col_ok ? col : 0);
 #pragma unroll
-    for (int j = 0; j < 12; ++j) {  // 16 rows x 24 pieces of 16 bytes
-        const int i = lane + 32 * j, row = i / 24, col = i % 24;
-        const bool valid = n0 + row < p.n && kept0 + 16 * col + 16 <= (size_t)p.w_stride;
-        const char* src = (const char*)p.w + (valid ? (size_t)(n0 + row) * p.w_stride + kept0 + 16 * col : 0);
-        cp16_zfill(dst + row * ROWS_CODE_STRIDE + 16 * col, src, valid);
-    }
+        for (int r = 0; r < GEMV_ROWS; ++r)
+            cp16_zfill(dst + r * ROWS_CODE_STRIDE + 16 * lane, src + (size_t)(r < rows ? r : 0) * p.w_stride,
+                       col_ok && r < rows);
+    } else {
+        const int pair = lane - 24;
+        const size_t first = ((size_t)s * 40) & ~(size_t)15;
 #pragma unroll
-    for (int j = 0; j < 3; ++j) {  // 16 rows x 5 pieces of 8 bytes (rank rows are 16-byte aligned)
-        const int i = lane + 32 * j, row = i / 5, piece = i % 5;
-        if (i < 80) {
-            const bool valid = n0 + row < p.n && rank0 + 8 * piece + 8 <= (size_t)p.idx_stride;
-            const char* src = (const char*)p.idx + (valid ? (size_t)(n0 + row) * p.idx_stride + rank0 + 8 * piece : 0);
-            cp8_zfill(dst + GEMV_ROWS * ROWS_CODE_STRIDE + row * ROWS_RANK_STRIDE + 8 * piece, src, valid);
+        for (int h = 0; h < 2; ++h) {
+            const int row = 2 * pair + h;
+            const bool row_ok = row < rows;
+            const char* src = (const char*)p.idx + (size_t)(row_ok ? n0 + row : 0) * p.idx_stride;
+#pragma unroll
+            for (int q = 0; q < 3; ++q) {
+                // A piece past the row's end holds no rank of the row (the stride is whole pieces).
+                const bool ok = row_ok && first + 16 * q + 16 <= (size_t)p.idx_stride;
+                cp16_zfill(dst + GEMV_ROWS * ROWS_CODE_STRIDE + row * ROWS_RANK_STRIDE + 16 * q,
+                           src + (ok ? first + 16 * q : 0), ok);
+            }
         }
     }
 }
@@ -381,13 +390,15 @@ __device__ __forceinline__ void compact_tail(const char* stage, int weights, con
 // step (blocks 8 c + 2 t and 8 c + 2 t + 1: k [64 c + 16 t, 64 c + 16 t + 16)), expanded:
 // e[0], e[1] the first block's eight codes, e[2], e[3] the second's. Its 12 code bytes are
 // three words (the quad's and the 8 rows' together 32 distinct banks, ROWS_CODE_STRIDE), its
-// 10 rank bits one funnel shift of two words.
-__device__ __forceinline__ void rows_blocks(const char* stage, int row, int c, int t, const u32* table, u32 (&e)[4]) {
+// 10 rank bits one funnel shift of two words; the step's ranks start `bit0` bits into the
+// staged rank row (stage_rows).
+__device__ __forceinline__ void rows_blocks(const char* stage, int row, int c, int t, const u32* table, u32 (&e)[4],
+                                            int bit0) {
     const char* codes = stage + row * ROWS_CODE_STRIDE + 48 * c + 12 * t;
     const u32 w0 = *(const u32*)codes, w1 = *(const u32*)(codes + 4), w2 = *(const u32*)(codes + 8);
     const u32* ranks = (const u32*)(stage + GEMV_ROWS * ROWS_CODE_STRIDE + row * ROWS_RANK_STRIDE);
-    const int bit = 40 * c + 10 * t, word = bit >> 5;
-    // Word 10 of row 15 lies past the ranks (in the stage's activations): its bits are shifted out.
+    const int bit = bit0 + 40 * c + 10 * t, word = bit >> 5;
+    // Word 12 of row 15 lies past the ranks (in the stage's activations): its bits are shifted out.
     const u32 r = __funnelshift_r(ranks[word], ranks[word + 1], (u32)(bit & 31));
     expand(w0, w1 & 0xffffu, table[r & 31u], e[0], e[1]);
     expand(__funnelshift_r(w1, w2, 16), w2 >> 16, table[(r >> 5) & 31u], e[2], e[3]);
@@ -397,7 +408,7 @@ __device__ __forceinline__ void rows_blocks(const char* stage, int row, int c, i
 // dense_step's; kept apart so that the dense kernels' code stays as measured.)
 template <int R, int NT>
 __device__ __forceinline__ void rows_step(const char* stage, int weights, const char* xs, const GemvParams& p, int chunks,
-                                          const u32* table, Acc<R, NT>& acc) {
+                                          const u32* table, int bit0, Acc<R, NT>& acc) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -407,8 +418,8 @@ __device__ __forceinline__ void rows_step(const char* stage, int weights, const 
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 u32 a[4], b[4];
-                rows_blocks(stage + r * weights, g, c, t, table, a);
-                rows_blocks(stage + r * weights, g + 8, c, t, table, b);
+                rows_blocks(stage + r * weights, g, c, t, table, a, bit0);
+                rows_blocks(stage + r * weights, g + 8, c, t, table, b, bit0);
                 mma_chunk<NT>(acc.v[c & 1][r], a, b, xv);
             }
         }
@@ -602,7 +613,8 @@ __device__ __forceinline__ void gemv(const GemvParams& p, char* smem) {
                 // A lane reads row pieces other lanes of the warp copied: their cp.async
                 // writes are ordered before its reads by the warp barrier, not by its own wait.
                 __syncwarp();
-                rows_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), table, acc);
+                // Step s0 + s's 40 rank bytes start 8 bytes into its first piece when s0 + s is odd.
+                rows_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), table, ((s0 + s) & 1) * 64, acc);
             } else {
                 dense_step<R, NT>(stage, Stage::WEIGHTS, xs, p, step_chunks(s), acc);
             }
