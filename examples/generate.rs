@@ -10,8 +10,9 @@
 //! Runs on the CPU reference backend (NdArray, f32) by default. With `--features cuda
 //! --device cuda` it runs on burn-cuda's plain backend in bf16: each model generates once
 //! untimed (the warm-up, reported apart: cubecl compiles and autotunes its kernels there, and
-//! keeps them in the user's cache directory for later runs), then once timed; the SlideSparse
-//! model decodes through the library's whole-step CUDA graph. Pruning, its calibration and
+//! keeps them in the user's cache directory for later runs), then once timed; the dense INT8
+//! and SlideSparse models decode through the library's whole-step CUDA graph, the dense bf16
+//! model through burn's forward. Pruning, its calibration and
 //! packing always run on the CPU reference, so the masks and codes do not depend on the
 //! device that generates.
 
@@ -89,8 +90,8 @@ struct Args {
     #[arg(long)]
     packed: Option<PathBuf>,
     /// `cpu` (the reference backend, f32) or, with `--features cuda`, `cuda` (burn-cuda's
-    /// plain backend, bf16 activations: the dense model on burn's bf16 matmul, the SlideSparse
-    /// layers on the library's INT8 kernels; warm-up first, then the timed run).
+    /// plain backend, bf16 activations: the dense model on burn's bf16 matmul, the dense INT8
+    /// and SlideSparse layers on the library's INT8 kernels; warm-up first, then the timed run).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// The INT8 models' LM head: `dense` (the model's float head; SmolLM2's is tied to the
@@ -442,12 +443,17 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
             (gpu, false),
             Duration::ZERO,
         )?);
-        if !gpu && args.precision == Precision::Int8 {
+        if args.precision == Precision::Int8 {
             // The like-for-like baseline of the sparse model: the same layers quantized to
-            // dense INT8, on the same integer kernel.
-            let mut dense = model.clone();
+            // dense INT8, on the same kernels (the integer kernel on the CPU; on the GPU the
+            // INT8 GEMV and GEMM, decoding through the same CUDA graph), with the same head.
+            // Quantized before its projections are fused, as the packed layers are packed.
+            let mut dense = source.model::<B>(device)?;
             quantize_dense(&mut dense, Precision::Int8, |name| name != "lm_head")?;
-            int8_head(args, &mut dense, false)?;
+            if gpu {
+                dense.fuse_projections()?;
+            }
+            int8_head(args, &mut dense, gpu)?;
             let start = Instant::now();
             prepare_all(&mut dense)?;
             println!("--- dense int8 ({}) ---\n{}", args.device, args.prompt);
@@ -455,7 +461,7 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
                 "dense int8".to_string(),
                 &dense,
                 &job,
-                (false, false),
+                (gpu, gpu),
                 start.elapsed(),
             )?);
         }
@@ -493,7 +499,7 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
         "\n{:<16} {:>14} {:>14} {:>11}  decode",
         "model", "prefill tok/s", "decode tok/s", "warm-up s"
     );
-    for row in rows {
+    for row in &rows {
         let warm_up = row
             .warm_up
             .map_or("-".to_string(), |w| format!("{:.1}", w.as_secs_f64()));
@@ -504,6 +510,18 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
             row.decode,
             warm_up,
             row.path.short()
+        );
+    }
+    // Sparsity's own gain: the sparse model against the dense model of its precision, both on
+    // the same kernels and decode path.
+    if let (Some(dense), Some(sparse)) = (rows.iter().find(|r| r.name == "dense int8"), rows.last())
+        && sparse.name != dense.name
+    {
+        println!(
+            "{} / dense int8: prefill {:.2}x, decode {:.2}x",
+            sparse.name,
+            sparse.prefill / dense.prefill,
+            sparse.decode / dense.decode
         );
     }
     Ok(())
