@@ -428,6 +428,9 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
     };
     let float = if gpu { "bf16" } else { "f32" };
     let mut model = source.model::<B>(device)?;
+    // The dense INT8 baseline's layers, quantized before their projections are fused as the
+    // packed layers are packed (the clone shares the model's tensors).
+    let int8_base = (!args.sparse_only && args.precision == Precision::Int8).then(|| model.clone());
     if gpu {
         // The dense baseline in the engine's form too (one GEMM for q/k/v and one for
         // gate/up), as the SlideSparse model runs; its packed layers arrive fused.
@@ -443,12 +446,10 @@ fn run<B: SlideSparseBackend>(args: &Args, device: &B::Device, gpu: bool) -> Res
             (gpu, false),
             Duration::ZERO,
         )?);
-        if args.precision == Precision::Int8 {
+        if let Some(mut dense) = int8_base {
             // The like-for-like baseline of the sparse model: the same layers quantized to
             // dense INT8, on the same kernels (the integer kernel on the CPU; on the GPU the
             // INT8 GEMV and GEMM, decoding through the same CUDA graph), with the same head.
-            // Quantized before its projections are fused, as the packed layers are packed.
-            let mut dense = source.model::<B>(device)?;
             quantize_dense(&mut dense, Precision::Int8, |name| name != "lm_head")?;
             if gpu {
                 dense.fuse_projections()?;

@@ -8,10 +8,10 @@
 //! read, and moves to any device for free. A SlideSparse INT8 / FP8 layer's codes are held in
 //! the compact layout ([`HostCodes`]: 0.83 bytes a weight at 6:8 where the slid codes take 1.5),
 //! which the CPU's integer kernel reads in place and the Hopper compact GEMM uploads as it is;
-//! the slid codes are rebuilt from it for cuSPARSELt's preparation and for the record. The record holds the codes in their own width
-//! (INT8 as `I8`, FP8 as E4M3 bytes `U8`, 16-bit precisions as `BF16`/`F16`, F32 as `F32`)
-//! and the scales in f32, whatever the recorder's precision settings: records round-trip
-//! bit-exactly.
+//! the slid codes are rebuilt from it for cuSPARSELt's preparation and for the record. The
+//! record holds the codes in their own width (INT8 as `I8`, FP8 as E4M3 bytes `U8`, 16-bit
+//! precisions as `BF16`/`F16`, F32 as `F32`) and the scales in f32, whatever the recorder's
+//! precision settings: records round-trip bit-exactly.
 //!
 //! burn's tensor visitors (`Module::visit`, `num_params`, burn-store snapshots) do not see
 //! these codes: save such modules with burn's recorders or the packed safetensors format.
